@@ -1,0 +1,43 @@
+#pragma once
+// Backend tags select kernels at compile time (as CUTLASS's architecture tags). A tensor view carries
+// its backend in its type, so a device view passed to a CPU kernel does not compile.
+//
+//   mnemo::cpu   Eigen GEMM, xsimd element-wise kernels, OpenMP over independent rows.
+//   mnemo::cuda  the seam for the CUDA backend: declared here; its kernels specialise ops<cuda>.
+#include <concepts>
+#include <type_traits>
+
+namespace mnemo {
+
+struct cpu {
+    static constexpr const char* name = "cpu";
+};
+struct cuda {
+    static constexpr const char* name = "cuda";
+};
+
+template <class B>
+concept backend = requires {
+    { B::name } -> std::convertible_to<const char*>;
+};
+
+template <class>
+inline constexpr bool dependent_false = false;
+
+/// ops<Backend>: the kernel table of a backend. Each backend specialises it (kernels/cpu/ops.hpp for
+/// mnemo::cpu). The primary template exists only to turn a missing backend into one readable error.
+template <class Backend>
+struct ops {
+    static_assert(dependent_false<Backend>,
+                  "mnemo: this backend has no kernels: ops<Backend> is not specialised for it "
+                  "(mnemo::cpu is implemented; mnemo::cuda is declared but its kernels are not part of this build)");
+};
+
+/// expect_backend<Expected, Got>: a view of one backend passed to a module of another.
+template <class Expected, class Got>
+struct expect_backend {
+    static constexpr bool value = std::is_same_v<Expected, Got>;
+    static_assert(value, "mnemo: backend mismatch: a view of backend Got was passed to a module of backend Expected");
+};
+
+}  // namespace mnemo

@@ -1,0 +1,68 @@
+#pragma once
+// Extents: static where the model's config fixes them (d_model, heads, d_head, d_ff), dynamic
+// (runtime) for batch, sequence, memory lengths and vocabulary. A static mismatch is a compile error
+// routed through a class template, so every compiler prints both numbers and the axis, e.g.
+//   in instantiation of 'struct mnemo::expect_extent<64, 32, mnemo::axis::in_features>'
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+
+namespace mnemo {
+
+using index_t = std::ptrdiff_t;
+
+/// The sentinel for an extent known only at run time (as Eigen::Dynamic).
+inline constexpr std::size_t dynamic = std::numeric_limits<std::size_t>::max();
+
+/// Axis names: they appear in compile errors to say which extent disagreed.
+namespace axis {
+struct features {};
+struct in_features {};
+struct out_features {};
+struct d_model {};
+}  // namespace axis
+
+/// expect_extent<Expected, Got, Axis>: compiles only when the two extents agree (or one is dynamic;
+/// that case is checked at run time instead).
+template <std::size_t Expected, std::size_t Got, class Axis>
+struct expect_extent {
+    static constexpr bool agree = Expected == Got || Expected == dynamic || Got == dynamic;
+    static_assert(agree,
+                  "mnemo: extent mismatch: a view with Got features was passed where Expected features "
+                  "are required (the numbers are the arguments of expect_extent<Expected, Got, Axis>)");
+    static constexpr bool value = agree;
+};
+
+/// expect_divisible<DModel, Heads>: d_model must split evenly into heads.
+template <std::size_t DModel, std::size_t Heads>
+struct expect_divisible {
+    static_assert(Heads >= 1, "mnemo: the number of heads must be at least 1");
+    static constexpr bool value = Heads >= 1 && DModel % (Heads >= 1 ? Heads : 1) == 0;
+    static_assert(value,
+                  "mnemo: d_model must be divisible by heads (the numbers are the arguments of "
+                  "expect_divisible<DModel, Heads>)");
+};
+
+/// expect_compression_rate<Rate>: the compression rate c must be at least 1.
+template <std::size_t Rate>
+struct expect_compression_rate {
+    static constexpr bool value = Rate >= 1;
+    static_assert(value, "mnemo: the compression rate must be at least 1 (see expect_compression_rate<Rate>)");
+};
+
+/// An extent held at compile time when static, at run time when dynamic. Empty when static.
+template <std::size_t Extent>
+struct extent_holder {
+    constexpr extent_holder() = default;
+    constexpr explicit extent_holder(index_t) {}
+    static constexpr index_t get() { return static_cast<index_t>(Extent); }
+};
+template <>
+struct extent_holder<dynamic> {
+    index_t n = 0;
+    constexpr extent_holder() = default;
+    constexpr explicit extent_holder(index_t v) : n(v) {}
+    constexpr index_t get() const { return n; }
+};
+
+}  // namespace mnemo

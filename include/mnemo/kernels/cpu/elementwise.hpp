@@ -1,0 +1,71 @@
+#pragma once
+// Small row-wise helpers: bias broadcast, column sums (bias gradients), adds and copies.
+#include "../../core/shape.hpp"
+#include "simd.hpp"
+
+namespace mnemo::cpu_kernels {
+
+struct elementwise {
+    /// C[i, :] += b for every row.
+    template <class T>
+    static void add_bias_rows(index_t rows, index_t n, const T* b, T* c, index_t ldc) {
+        const index_t nv = simd::full_batches<T>(n);
+#pragma omp parallel for schedule(static) if (rows * n >= 65536)
+        for (index_t i = 0; i < rows; ++i) {
+            T* ci = c + i * ldc;
+            index_t j = 0;
+            for (; j < nv; j += simd::width<T>) simd::store(ci + j, simd::load(ci + j) + simd::load(b + j));
+            for (; j < n; ++j) ci[j] += b[j];
+        }
+    }
+
+    /// db[j] += Σ_i dy[i, j], summed in row order (threads split the columns: deterministic).
+    template <class T>
+    static void sum_rows_accumulate(index_t rows, index_t n, const T* dy, index_t ld, T* db) {
+        constexpr index_t block = 64;
+        const index_t nblocks = (n + block - 1) / block;
+#pragma omp parallel for schedule(static) if (rows * n >= 65536)
+        for (index_t cb = 0; cb < nblocks; ++cb) {
+            const index_t j0 = cb * block, j1 = std::min(n, j0 + block);
+            for (index_t i = 0; i < rows; ++i) {
+                const T* di = dy + i * ld;
+                for (index_t j = j0; j < j1; ++j) db[j] += di[j];
+            }
+        }
+    }
+
+    /// y[i, :] = a[i, :] + b[i, :]   (y may alias a or b)
+    template <class T>
+    static void add(index_t rows, index_t n, const T* a, index_t lda, const T* b, index_t ldb, T* y, index_t ldy) {
+        const index_t nv = simd::full_batches<T>(n);
+#pragma omp parallel for schedule(static) if (rows * n >= 65536)
+        for (index_t i = 0; i < rows; ++i) {
+            const T* ai = a + i * lda;
+            const T* bi = b + i * ldb;
+            T* yi = y + i * ldy;
+            index_t j = 0;
+            for (; j < nv; j += simd::width<T>) simd::store(yi + j, simd::load(ai + j) + simd::load(bi + j));
+            for (; j < n; ++j) yi[j] = ai[j] + bi[j];
+        }
+    }
+
+    /// y[i, :] = x[i, :]   (y += x when accumulate)
+    template <class T>
+    static void copy(index_t rows, index_t n, const T* x, index_t ldx, T* y, index_t ldy, bool accumulate = false) {
+        const index_t nv = simd::full_batches<T>(n);
+#pragma omp parallel for schedule(static) if (rows * n >= 65536)
+        for (index_t i = 0; i < rows; ++i) {
+            const T* xi = x + i * ldx;
+            T* yi = y + i * ldy;
+            index_t j = 0;
+            if (accumulate) {
+                for (; j < nv; j += simd::width<T>) simd::store(yi + j, simd::load(yi + j) + simd::load(xi + j));
+                for (; j < n; ++j) yi[j] += xi[j];
+            } else {
+                for (; j < n; ++j) yi[j] = xi[j];
+            }
+        }
+    }
+};
+
+}  // namespace mnemo::cpu_kernels

@@ -1,0 +1,126 @@
+#pragma once
+// Layer normalisation over the last axis (Ba et al., 2016), as torch.nn.LayerNorm:
+//   μ = mean(x),  σ² = mean((x − μ)²) (biased),  r = 1/sqrt(σ² + eps),  y = (x − μ)·r·w + b
+// Backward, with x̂ = (x − μ)·r and g = dy·w:
+//   dx = r · (g − mean(g) − x̂ · mean(g·x̂))            (assigned)
+//   dw += Σ_rows dy·x̂,   db += Σ_rows dy               (accumulated)
+// dw/db are reduced over rows in a fixed order (threads split the columns), so the result does not
+// depend on the thread count.
+#include <cmath>
+
+#include "../../core/shape.hpp"
+#include "simd.hpp"
+
+namespace mnemo::cpu_kernels {
+
+struct layer_norm {
+    /// y[rows, d] = LN(x); mean[rows] and rstd[rows] are saved for backward. w or b may be null
+    /// (no affine scale / shift).
+    template <class T>
+    static void layer_norm_forward(index_t rows, index_t d, const T* x, index_t ldx, const T* w, const T* b, T eps,
+                                   T* y, index_t ldy, T* mean, T* rstd) {
+        using B = simd::batch<T>;
+        const index_t nv = simd::full_batches<T>(d);
+#pragma omp parallel for schedule(static) if (rows * d >= 16384)
+        for (index_t i = 0; i < rows; ++i) {
+            const T* xi = x + i * ldx;
+            T* yi = y + i * ldy;
+            B acc = simd::splat<T>(0);
+            index_t j = 0;
+            for (; j < nv; j += simd::width<T>) acc += simd::load(xi + j);
+            T s = simd::reduce_add(acc);
+            for (; j < d; ++j) s += xi[j];
+            const T mu = s / T(d);
+            const B vmu = simd::splat(mu);
+            acc = simd::splat<T>(0);
+            for (j = 0; j < nv; j += simd::width<T>) {
+                const B c = simd::load(xi + j) - vmu;
+                acc = xsimd::fma(c, c, acc);
+            }
+            T ss = simd::reduce_add(acc);
+            for (; j < d; ++j) ss += (xi[j] - mu) * (xi[j] - mu);
+            const T r = T(1) / std::sqrt(ss / T(d) + eps);
+            if (mean) mean[i] = mu;
+            if (rstd) rstd[i] = r;
+            const B vr = simd::splat(r);
+            for (j = 0; j < nv; j += simd::width<T>) {
+                B v = (simd::load(xi + j) - vmu) * vr;
+                if (w) v *= simd::load(w + j);
+                if (b) v += simd::load(b + j);
+                simd::store(yi + j, v);
+            }
+            for (; j < d; ++j) {
+                T v = (xi[j] - mu) * r;
+                if (w) v *= w[j];
+                if (b) v += b[j];
+                yi[j] = v;
+            }
+        }
+    }
+
+    /// dx = LN backward (assigned, may be null); dw, db accumulated (may be null).
+    template <class T>
+    static void layer_norm_backward(index_t rows, index_t d, const T* x, index_t ldx, const T* w, const T* mean,
+                                    const T* rstd, const T* dy, index_t lddy, T* dx, index_t lddx, T* dw, T* db) {
+        using B = simd::batch<T>;
+        const index_t nv = simd::full_batches<T>(d);
+        if (dx) {
+#pragma omp parallel for schedule(static) if (rows * d >= 16384)
+            for (index_t i = 0; i < rows; ++i) {
+                const T* xi = x + i * ldx;
+                const T* dyi = dy + i * lddy;
+                T* dxi = dx + i * lddx;
+                const T mu = mean[i], r = rstd[i];
+                const B vmu = simd::splat(mu), vr = simd::splat(r);
+                B sg = simd::splat<T>(0), sgx = simd::splat<T>(0);
+                index_t j = 0;
+                for (; j < nv; j += simd::width<T>) {
+                    B g = simd::load(dyi + j);
+                    if (w) g *= simd::load(w + j);
+                    const B xh = (simd::load(xi + j) - vmu) * vr;
+                    sg += g;
+                    sgx = xsimd::fma(g, xh, sgx);
+                }
+                T mg = simd::reduce_add(sg), mgx = simd::reduce_add(sgx);
+                for (; j < d; ++j) {
+                    const T g = w ? dyi[j] * w[j] : dyi[j];
+                    mg += g;
+                    mgx += g * (xi[j] - mu) * r;
+                }
+                mg /= T(d);
+                mgx /= T(d);
+                const B vmg = simd::splat(mg), vmgx = simd::splat(mgx);
+                for (j = 0; j < nv; j += simd::width<T>) {
+                    B g = simd::load(dyi + j);
+                    if (w) g *= simd::load(w + j);
+                    const B xh = (simd::load(xi + j) - vmu) * vr;
+                    simd::store(dxi + j, vr * (g - vmg - xh * vmgx));
+                }
+                for (; j < d; ++j) {
+                    const T g = w ? dyi[j] * w[j] : dyi[j];
+                    dxi[j] = r * (g - mg - (xi[j] - mu) * r * mgx);
+                }
+            }
+        }
+        if (dw || db) {
+            // Threads own column blocks; each sums its columns over all rows in row order.
+            constexpr index_t block = 64;
+            const index_t nblocks = (d + block - 1) / block;
+#pragma omp parallel for schedule(static) if (rows * d >= 16384)
+            for (index_t cb = 0; cb < nblocks; ++cb) {
+                const index_t j0 = cb * block, j1 = std::min(d, j0 + block);
+                for (index_t i = 0; i < rows; ++i) {
+                    const T* xi = x + i * ldx;
+                    const T* dyi = dy + i * lddy;
+                    const T mu = mean[i], r = rstd[i];
+                    for (index_t j = j0; j < j1; ++j) {
+                        if (dw) dw[j] += dyi[j] * ((xi[j] - mu) * r);
+                        if (db) db[j] += dyi[j];
+                    }
+                }
+            }
+        }
+    }
+};
+
+}  // namespace mnemo::cpu_kernels

@@ -1,0 +1,24 @@
+#pragma once
+// ops<cpu>: the CPU kernel table. Every kernel takes raw pointers, runtime extents and row strides
+// (CUB style), and is a static member of one of the kernel structs below; ops<cpu> gathers them.
+#include "../../core/backend.hpp"
+#include "activation.hpp"
+#include "cross_entropy.hpp"
+#include "dropout.hpp"
+#include "elementwise.hpp"
+#include "gemm.hpp"
+#include "layer_norm.hpp"
+#include "softmax.hpp"
+
+namespace mnemo {
+
+template <>
+struct ops<cpu> : cpu_kernels::gemm,
+                  cpu_kernels::softmax,
+                  cpu_kernels::layer_norm,
+                  cpu_kernels::activation,
+                  cpu_kernels::cross_entropy,
+                  cpu_kernels::dropout,
+                  cpu_kernels::elementwise {};
+
+}  // namespace mnemo

@@ -1,0 +1,130 @@
+#pragma once
+// Masked, numerically stable softmax over the rows of a [rows, cols] matrix, and its backward.
+//   y[i, j] = exp(s·x[i, j] − m_i) / Σ_{k visible} exp(s·x[i, k] − m_i)   for visible j, else 0
+// with m_i = max over visible s·x[i, k]. A row with nothing visible is all zeros (never NaN).
+// Backward (y saved from forward): dx[i, j] = s · y[i, j] · (dy[i, j] − Σ_k y[i, k]·dy[i, k]).
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "../../core/shape.hpp"
+#include "simd.hpp"
+
+namespace mnemo {
+
+/// Which columns of each row a softmax may see. Both conditions apply when both are given.
+///  causal: row i sees columns j <= causal_offset + i (keys are [memory, segment] with the memory
+///          fully visible: causal_offset = memory length).
+///  keep:   an explicit [rows, ld_keep] byte mask, nonzero = visible (padding masks).
+struct softmax_mask {
+    bool causal = false;
+    index_t causal_offset = 0;
+    const std::uint8_t* keep = nullptr;
+    index_t ld_keep = 0;
+
+    static softmax_mask none() { return {}; }
+    static softmax_mask causal_from(index_t offset) { return {true, offset, nullptr, 0}; }
+};
+
+namespace cpu_kernels {
+
+struct softmax {
+    /// y = masked softmax(scale · x) over each row. x and y may alias.
+    template <class T>
+    static void softmax_forward(index_t rows, index_t cols, const T* x, index_t ldx, T* y, index_t ldy, T scale,
+                                softmax_mask mask = {}) {
+#pragma omp parallel for schedule(static) if (rows * cols >= 16384)
+        for (index_t i = 0; i < rows; ++i) {
+            const T* xi = x + i * ldx;
+            T* yi = y + i * ldy;
+            index_t n = cols;  // visible prefix
+            if (mask.causal) n = std::max<index_t>(0, std::min<index_t>(cols, mask.causal_offset + i + 1));
+            if (mask.keep) row_keep(xi, yi, cols, n, scale, mask.keep + i * mask.ld_keep);
+            else row_prefix(xi, yi, cols, n, scale);
+        }
+    }
+
+    /// dx = softmax backward given the forward output y and upstream dy. dx may alias dy.
+    template <class T>
+    static void softmax_backward(index_t rows, index_t cols, const T* y, index_t ldy, const T* dy, index_t lddy, T* dx,
+                                 index_t lddx, T scale) {
+        using B = simd::batch<T>;
+        const index_t nv = simd::full_batches<T>(cols);
+#pragma omp parallel for schedule(static) if (rows * cols >= 16384)
+        for (index_t i = 0; i < rows; ++i) {
+            const T* yi = y + i * ldy;
+            const T* dyi = dy + i * lddy;
+            T* dxi = dx + i * lddx;
+            B acc = simd::splat<T>(0);
+            index_t j = 0;
+            for (; j < nv; j += simd::width<T>) acc = xsimd::fma(simd::load(yi + j), simd::load(dyi + j), acc);
+            T dot = simd::reduce_add(acc);
+            for (; j < cols; ++j) dot += yi[j] * dyi[j];
+            const B vdot = simd::splat(dot), vs = simd::splat(scale);
+            for (j = 0; j < nv; j += simd::width<T>)
+                simd::store(dxi + j, vs * simd::load(yi + j) * (simd::load(dyi + j) - vdot));
+            for (; j < cols; ++j) dxi[j] = scale * yi[j] * (dyi[j] - dot);
+        }
+    }
+
+private:
+    // Columns [0, n) visible, [n, cols) masked.
+    template <class T>
+    static void row_prefix(const T* x, T* y, index_t cols, index_t n, T scale) {
+        using B = simd::batch<T>;
+        const index_t nv = simd::full_batches<T>(n);
+        if (n == 0) {
+            for (index_t j = 0; j < cols; ++j) y[j] = T(0);
+            return;
+        }
+        B vmax = simd::splat(-std::numeric_limits<T>::infinity());
+        index_t j = 0;
+        for (; j < nv; j += simd::width<T>) vmax = xsimd::max(vmax, simd::load(x + j));
+        T mx = simd::reduce_max(vmax);
+        for (; j < n; ++j) mx = std::max(mx, x[j]);
+        // max of scale·x is scale·max x for scale > 0, scale·min x otherwise; recompute for scale <= 0.
+        T shift = scale * mx;
+        if (!(scale > T(0))) {
+            shift = scale * x[0];
+            for (j = 1; j < n; ++j) shift = std::max(shift, scale * x[j]);
+        }
+        const B vs = simd::splat(scale), vshift = simd::splat(shift);
+        B vsum = simd::splat<T>(0);
+        for (j = 0; j < nv; j += simd::width<T>) {
+            const B e = xsimd::exp(xsimd::fms(vs, simd::load(x + j), vshift));
+            simd::store(y + j, e);
+            vsum += e;
+        }
+        T sum = simd::reduce_add(vsum);
+        for (; j < n; ++j) {
+            y[j] = std::exp(scale * x[j] - shift);
+            sum += y[j];
+        }
+        const T inv = T(1) / sum;
+        const B vinv = simd::splat(inv);
+        for (j = 0; j < nv; j += simd::width<T>) simd::store(y + j, simd::load(y + j) * vinv);
+        for (; j < n; ++j) y[j] *= inv;
+        for (j = n; j < cols; ++j) y[j] = T(0);
+    }
+
+    // Prefix [0, n) and an explicit keep mask (scalar: padding masks are the uncommon path).
+    template <class T>
+    static void row_keep(const T* x, T* y, index_t cols, index_t n, T scale, const std::uint8_t* keep) {
+        T shift = -std::numeric_limits<T>::infinity();
+        bool any = false;
+        for (index_t j = 0; j < n; ++j)
+            if (keep[j]) { shift = any ? std::max(shift, scale * x[j]) : scale * x[j]; any = true; }
+        T sum = 0;
+        for (index_t j = 0; j < cols; ++j) {
+            const T e = (j < n && keep[j]) ? std::exp(scale * x[j] - shift) : T(0);
+            y[j] = e;
+            sum += e;
+        }
+        if (!any) return;
+        const T inv = T(1) / sum;
+        for (index_t j = 0; j < n; ++j) y[j] *= inv;
+    }
+};
+
+}  // namespace cpu_kernels
+}  // namespace mnemo

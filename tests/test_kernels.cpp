@@ -1,0 +1,343 @@
+// CPU kernels against naive reference loops, on random shapes including sizes that are not multiples
+// of the SIMD width.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include <mnemo/kernels/cpu/ops.hpp>
+
+#include "testing.hpp"
+
+using mnemo::index_t;
+using K = mnemo::ops<mnemo::cpu>;
+using mnemo::testing::check_close;
+using mnemo::testing::random_vector;
+
+namespace {
+
+struct gemm_shape {
+    index_t m, n, k;
+};
+const gemm_shape gemm_shapes[] = {{1, 1, 1}, {3, 5, 7}, {17, 33, 9}, {64, 48, 31}, {129, 65, 130}, {5, 0, 3}, {4, 6, 0}};
+
+// Naive C = beta·C + alpha·op(A)·op(B) with op chosen by flags, in double.
+template <class T>
+std::vector<T> naive_gemm(bool ta, bool tb, index_t m, index_t n, index_t k, const std::vector<T>& a, index_t lda,
+                          const std::vector<T>& b, index_t ldb, const std::vector<T>& c, index_t ldc, T beta, T alpha) {
+    std::vector<T> out = c;
+    for (index_t i = 0; i < m; ++i)
+        for (index_t j = 0; j < n; ++j) {
+            double s = 0;
+            for (index_t p = 0; p < k; ++p) {
+                const double av = ta ? a[p * lda + i] : a[i * lda + p];
+                const double bv = tb ? b[j * ldb + p] : b[p * ldb + j];
+                s += av * bv;
+            }
+            out[i * ldc + j] = static_cast<T>((beta == T(0) ? 0.0 : double(beta) * double(c[i * ldc + j])) + double(alpha) * s);
+        }
+    return out;
+}
+
+template <class T>
+void check_gemm_forms(double tol) {
+    std::uint64_t seed = 1;
+    for (const auto& s : gemm_shapes) {
+        for (T beta : {T(0), T(1), T(0.5)}) {
+            for (T alpha : {T(1), T(-0.75)}) {
+                const index_t pad = 3;  // strided views: ld > cols
+                // nn: A[m,k] B[k,n]
+                {
+                    const index_t lda = s.k + pad, ldb = s.n + pad, ldc = s.n + pad;
+                    auto a = random_vector<T>(std::max<index_t>(1, s.m * lda), seed++);
+                    auto b = random_vector<T>(std::max<index_t>(1, s.k * ldb), seed++);
+                    auto c = random_vector<T>(std::max<index_t>(1, s.m * ldc), seed++);
+                    auto ref = naive_gemm(false, false, s.m, s.n, s.k, a, lda, b, ldb, c, ldc, beta, alpha);
+                    K::gemm_nn(s.m, s.n, s.k, a.data(), lda, b.data(), ldb, c.data(), ldc, beta, alpha);
+                    INFO("gemm_nn m=" << s.m << " n=" << s.n << " k=" << s.k << " beta=" << beta << " alpha=" << alpha);
+                    check_close("gemm_nn", c, ref, tol, tol);
+                }
+                // nt: A[m,k] B[n,k]
+                {
+                    const index_t lda = s.k + pad, ldb = s.k + pad, ldc = s.n + pad;
+                    auto a = random_vector<T>(std::max<index_t>(1, s.m * lda), seed++);
+                    auto b = random_vector<T>(std::max<index_t>(1, s.n * ldb), seed++);
+                    auto c = random_vector<T>(std::max<index_t>(1, s.m * ldc), seed++);
+                    auto ref = naive_gemm(false, true, s.m, s.n, s.k, a, lda, b, ldb, c, ldc, beta, alpha);
+                    K::gemm_nt(s.m, s.n, s.k, a.data(), lda, b.data(), ldb, c.data(), ldc, beta, alpha);
+                    INFO("gemm_nt m=" << s.m << " n=" << s.n << " k=" << s.k << " beta=" << beta << " alpha=" << alpha);
+                    check_close("gemm_nt", c, ref, tol, tol);
+                }
+                // tn: A[k,m] B[k,n]
+                {
+                    const index_t lda = s.m + pad, ldb = s.n + pad, ldc = s.n + pad;
+                    auto a = random_vector<T>(std::max<index_t>(1, s.k * lda), seed++);
+                    auto b = random_vector<T>(std::max<index_t>(1, s.k * ldb), seed++);
+                    auto c = random_vector<T>(std::max<index_t>(1, s.m * ldc), seed++);
+                    auto ref = naive_gemm(true, false, s.m, s.n, s.k, a, lda, b, ldb, c, ldc, beta, alpha);
+                    K::gemm_tn(s.m, s.n, s.k, a.data(), lda, b.data(), ldb, c.data(), ldc, beta, alpha);
+                    INFO("gemm_tn m=" << s.m << " n=" << s.n << " k=" << s.k << " beta=" << beta << " alpha=" << alpha);
+                    check_close("gemm_tn", c, ref, tol, tol);
+                }
+            }
+        }
+    }
+}
+
+template <class T>
+std::vector<T> naive_softmax(index_t rows, index_t cols, const std::vector<T>& x, T scale, mnemo::softmax_mask mask) {
+    std::vector<T> y(x.size(), T(0));
+    for (index_t i = 0; i < rows; ++i) {
+        auto visible = [&](index_t j) {
+            bool v = true;
+            if (mask.causal) v = v && j <= mask.causal_offset + i;
+            if (mask.keep) v = v && mask.keep[i * mask.ld_keep + j] != 0;
+            return v;
+        };
+        double mx = -std::numeric_limits<double>::infinity();
+        for (index_t j = 0; j < cols; ++j)
+            if (visible(j)) mx = std::max(mx, double(scale) * x[i * cols + j]);
+        if (mx == -std::numeric_limits<double>::infinity()) continue;
+        double sum = 0;
+        for (index_t j = 0; j < cols; ++j)
+            if (visible(j)) sum += std::exp(double(scale) * x[i * cols + j] - mx);
+        for (index_t j = 0; j < cols; ++j)
+            if (visible(j)) y[i * cols + j] = static_cast<T>(std::exp(double(scale) * x[i * cols + j] - mx) / sum);
+    }
+    return y;
+}
+
+}  // namespace
+
+TEST_CASE("gemm: nn, nt and tn forms with accumulate match a naive loop (float)") { check_gemm_forms<float>(2e-5); }
+TEST_CASE("gemm: nn, nt and tn forms with accumulate match a naive loop (double)") { check_gemm_forms<double>(1e-12); }
+
+TEST_CASE("softmax: masked rows match a naive loop, including fully masked rows") {
+    std::uint64_t seed = 100;
+    for (index_t rows : {1, 3, 17, 40}) {
+        for (index_t cols : {1, 7, 16, 33, 100}) {
+            auto x = random_vector<float>(rows * cols, seed++, -8.0, 8.0);
+            std::vector<std::uint8_t> keep(static_cast<std::size_t>(rows * cols));
+            mnemo::rng r(seed++);
+            for (auto& k : keep) k = r.uniform() < 0.7 ? 1 : 0;
+            for (auto& k : keep) (void)k;
+            keep[0] = 0;  // row 0 may become fully masked below
+            const mnemo::softmax_mask masks[] = {mnemo::softmax_mask::none(), mnemo::softmax_mask::causal_from(0),
+                                                 mnemo::softmax_mask::causal_from(5), mnemo::softmax_mask::causal_from(-2),
+                                                 {false, 0, keep.data(), cols}, {true, 2, keep.data(), cols}};
+            for (const auto& mask : masks) {
+                for (float scale : {1.0f, 0.125f, -0.5f}) {
+                    std::vector<float> y(x.size(), 42.0f);
+                    K::softmax_forward(rows, cols, x.data(), cols, y.data(), cols, scale, mask);
+                    auto ref = naive_softmax(rows, cols, x, scale, mask);
+                    INFO("rows=" << rows << " cols=" << cols << " causal=" << mask.causal << " offset="
+                                 << mask.causal_offset << " keep=" << (mask.keep != nullptr) << " scale=" << scale);
+                    check_close("softmax", y, ref, 1e-6, 1e-5);
+                    for (float v : y) REQUIRE(std::isfinite(v));
+                }
+            }
+        }
+    }
+}
+
+TEST_CASE("softmax: in place and huge logits stay finite") {
+    std::vector<float> x = {1000.f, 999.f, -1000.f, 3.f, 88.f, 89.f, 90.f};
+    auto ref = naive_softmax<float>(1, 7, x, 1.0f, {});
+    K::softmax_forward(1, 7, x.data(), 7, x.data(), 7, 1.0f);
+    check_close("softmax in place", x, ref, 1e-7, 1e-6);
+}
+
+TEST_CASE("softmax: backward matches the Jacobian product") {
+    std::uint64_t seed = 200;
+    for (index_t rows : {1, 5, 19}) {
+        for (index_t cols : {1, 9, 32, 47}) {
+            auto x = random_vector<double>(rows * cols, seed++, -3, 3);
+            auto dy = random_vector<double>(rows * cols, seed++);
+            const double scale = 0.3;
+            auto mask = mnemo::softmax_mask::causal_from(1);
+            std::vector<double> y(x.size()), dx(x.size());
+            K::softmax_forward(rows, cols, x.data(), cols, y.data(), cols, scale, mask);
+            K::softmax_backward(rows, cols, y.data(), cols, dy.data(), cols, dx.data(), cols, scale);
+            std::vector<double> ref(x.size(), 0.0);
+            for (index_t i = 0; i < rows; ++i)
+                for (index_t j = 0; j < cols; ++j) {
+                    double s = 0;  // Σ_k dy_k ∂y_k/∂x_j
+                    for (index_t k = 0; k < cols; ++k) {
+                        const double yk = y[i * cols + k], yj = y[i * cols + j];
+                        s += dy[i * cols + k] * scale * yk * ((k == j ? 1.0 : 0.0) - yj);
+                    }
+                    ref[i * cols + j] = s;
+                }
+            check_close("softmax backward", dx, ref, 1e-13, 1e-10);
+        }
+    }
+}
+
+TEST_CASE("layer_norm: forward and backward match a naive loop") {
+    std::uint64_t seed = 300;
+    for (index_t rows : {1, 4, 37}) {
+        for (index_t d : {1, 5, 16, 67, 128}) {
+            auto x = random_vector<double>(rows * d, seed++, -2, 3);
+            auto w = random_vector<double>(d, seed++, 0.5, 1.5);
+            auto b = random_vector<double>(d, seed++);
+            auto dy = random_vector<double>(rows * d, seed++);
+            const double eps = 1e-5;
+            std::vector<double> y(x.size()), mean(rows), rstd(rows), dx(x.size());
+            std::vector<double> dw(d, 0.25), db(d, -0.5);  // pre-filled: must accumulate
+            K::layer_norm_forward(rows, d, x.data(), d, w.data(), b.data(), eps, y.data(), d, mean.data(), rstd.data());
+            K::layer_norm_backward(rows, d, x.data(), d, w.data(), mean.data(), rstd.data(), dy.data(), d, dx.data(), d,
+                                   dw.data(), db.data());
+            std::vector<double> ry(x.size()), rdx(x.size()), rdw(d, 0.25), rdb(d, -0.5);
+            for (index_t i = 0; i < rows; ++i) {
+                const double* xi = &x[i * d];
+                double mu = 0, var = 0;
+                for (index_t j = 0; j < d; ++j) mu += xi[j];
+                mu /= d;
+                for (index_t j = 0; j < d; ++j) var += (xi[j] - mu) * (xi[j] - mu);
+                var /= d;
+                const double r = 1 / std::sqrt(var + eps);
+                double mg = 0, mgx = 0;
+                for (index_t j = 0; j < d; ++j) {
+                    const double xh = (xi[j] - mu) * r;
+                    ry[i * d + j] = xh * w[j] + b[j];
+                    const double g = dy[i * d + j] * w[j];
+                    mg += g / d;
+                    mgx += g * xh / d;
+                    rdw[j] += dy[i * d + j] * xh;
+                    rdb[j] += dy[i * d + j];
+                }
+                for (index_t j = 0; j < d; ++j) {
+                    const double xh = (xi[j] - mu) * r;
+                    rdx[i * d + j] = r * (dy[i * d + j] * w[j] - mg - xh * mgx);
+                }
+            }
+            INFO("rows=" << rows << " d=" << d);
+            check_close("layer_norm y", y, ry, 1e-12, 1e-12);
+            check_close("layer_norm dx", dx, rdx, 1e-11, 1e-10);
+            check_close("layer_norm dw", dw, rdw, 1e-11, 1e-11);
+            check_close("layer_norm db", db, rdb, 1e-11, 1e-11);
+        }
+    }
+}
+
+TEST_CASE("layer_norm: float forward matches double reference") {
+    const index_t rows = 9, d = 77;
+    auto x = random_vector<float>(rows * d, 7, -4, 4);
+    std::vector<float> y(x.size()), mean(rows), rstd(rows);
+    K::layer_norm_forward<float>(rows, d, x.data(), d, nullptr, nullptr, 1e-5f, y.data(), d, mean.data(), rstd.data());
+    std::vector<double> xd(x.begin(), x.end()), yd(x.size()), md(rows), rd(rows);
+    K::layer_norm_forward<double>(rows, d, xd.data(), d, nullptr, nullptr, 1e-5, yd.data(), d, md.data(), rd.data());
+    check_close("layer_norm float", y, yd, 1e-5, 1e-5);
+}
+
+TEST_CASE("activations: relu and gelu forward and backward match scalar formulas") {
+    for (index_t n : {1, 3, 16, 31, 1000, 70001}) {
+        auto x = random_vector<double>(n, 400 + n, -5, 5);
+        auto dy = random_vector<double>(n, 500 + n);
+        std::vector<double> y(n), dx(n), ry(n), rdx(n);
+        K::relu_forward(n, x.data(), y.data());
+        K::relu_backward(n, x.data(), dy.data(), dx.data());
+        for (index_t i = 0; i < n; ++i) {
+            ry[i] = x[i] > 0 ? x[i] : 0;
+            rdx[i] = x[i] > 0 ? dy[i] : 0;
+        }
+        check_close("relu", y, ry, 0, 0);
+        check_close("relu backward", dx, rdx, 0, 0);
+        K::activation_forward<mnemo::gelu>(n, x.data(), y.data());
+        K::activation_backward<mnemo::gelu>(n, x.data(), dy.data(), dx.data());
+        for (index_t i = 0; i < n; ++i) {
+            const double c = 0.5 * std::erfc(-x[i] / std::sqrt(2.0));
+            ry[i] = x[i] * c;
+            rdx[i] = dy[i] * (c + x[i] * std::exp(-0.5 * x[i] * x[i]) / std::sqrt(2 * M_PI));
+        }
+        // xsimd's double erfc is accurate to ~4e-12 relative (measured over [-6, 6]), libm's to ~1e-16.
+        check_close("gelu", y, ry, 1e-14, 1e-11);
+        check_close("gelu backward", dx, rdx, 1e-14, 1e-11);
+        // float path
+        std::vector<float> xf(x.begin(), x.end()), yf(n);
+        K::gelu_forward(n, xf.data(), yf.data());
+        std::vector<double> ryf(n);
+        for (index_t i = 0; i < n; ++i) ryf[i] = 0.5 * double(xf[i]) * std::erfc(-double(xf[i]) / std::sqrt(2.0));
+        check_close("gelu float", yf, ryf, 1e-6, 1e-6);
+    }
+}
+
+TEST_CASE("cross_entropy: fused and split forms match a naive log-softmax, with ignored rows") {
+    for (index_t vocab : {1, 5, 16, 65, 257}) {
+        const index_t rows = 13;
+        auto x = random_vector<double>(rows * vocab, 600 + vocab, -6, 6);
+        std::vector<int> t(rows);
+        mnemo::rng r(vocab);
+        for (auto& v : t) v = static_cast<int>(r.next_u32() % static_cast<std::uint32_t>(vocab));
+        t[3] = -100;  // ignored
+        std::vector<double> losses(rows), lse(rows), dx(x.size()), losses2(rows), dx2(x.size());
+        K::cross_entropy_check_targets(rows, vocab, t.data());
+        K::cross_entropy_forward(rows, vocab, x.data(), vocab, t.data(), losses.data(), lse.data());
+        K::cross_entropy_backward(rows, vocab, x.data(), vocab, t.data(), lse.data(), (const double*)nullptr, 0.25,
+                                  dx.data(), vocab);
+        K::cross_entropy_fused(rows, vocab, x.data(), vocab, t.data(), losses2.data(), 0.25, dx2.data(), vocab);
+        std::vector<double> rl(rows), rdx(x.size());
+        for (index_t i = 0; i < rows; ++i) {
+            double mx = -1e300, s = 0;
+            for (index_t j = 0; j < vocab; ++j) mx = std::max(mx, x[i * vocab + j]);
+            for (index_t j = 0; j < vocab; ++j) s += std::exp(x[i * vocab + j] - mx);
+            const double l = mx + std::log(s);
+            rl[i] = t[i] < 0 ? 0 : l - x[i * vocab + t[i]];
+            for (index_t j = 0; j < vocab; ++j)
+                rdx[i * vocab + j] = t[i] < 0 ? 0 : 0.25 * (std::exp(x[i * vocab + j] - l) - (j == t[i] ? 1 : 0));
+        }
+        INFO("vocab=" << vocab);
+        check_close("ce losses", losses, rl, 1e-12, 1e-12);
+        check_close("ce dlogits", dx, rdx, 1e-14, 1e-12);
+        check_close("ce fused losses", losses2, rl, 1e-12, 1e-12);
+        check_close("ce fused dlogits", dx2, rdx, 1e-14, 1e-12);
+    }
+}
+
+TEST_CASE("cross_entropy: a target outside the vocabulary is a clear error") {
+    std::vector<int> t = {0, 7, 2};
+    CHECK_THROWS_WITH_AS(K::cross_entropy_check_targets(3, 5, t.data()),
+                         doctest::Contains("target 7 at row 1 is outside the vocabulary of 5"), mnemo::error);
+}
+
+TEST_CASE("dropout: seeded mask is reproducible, scaled, and backward reuses it") {
+    const index_t n = 100003;
+    auto x = random_vector<float>(n, 9, 0.5, 1.5);
+    std::vector<float> y(n), y2(n), dx(n);
+    const float p = 0.3f;
+    K::dropout_forward(n, x.data(), y.data(), p, 1234, 77);
+    K::dropout_forward(n, x.data(), y2.data(), p, 1234, 77);
+    CHECK(y == y2);
+    index_t kept = 0;
+    for (index_t i = 0; i < n; ++i) {
+        const bool keep = mnemo::random_uniform(1234, 77 + static_cast<std::uint64_t>(i)) >= p;
+        REQUIRE(y[i] == (keep ? x[i] * (1.0f / (1.0f - p)) : 0.0f));
+        kept += keep;
+    }
+    CHECK(std::abs(double(kept) / n - (1 - p)) < 0.01);  // ~6 sigma for n = 1e5
+    K::dropout_backward(n, x.data(), dx.data(), p, 1234, 77);
+    CHECK(dx == y);
+    K::dropout_forward(n, x.data(), y2.data(), p, 1235, 77);  // another seed, another mask
+    CHECK(y != y2);
+    K::dropout_forward(n, x.data(), y2.data(), 0.0f, 1, 0);
+    CHECK(y2 == x);
+}
+
+TEST_CASE("elementwise: bias add and column sums") {
+    const index_t rows = 11, n = 37, ld = 40;
+    auto c = random_vector<double>(rows * ld, 1);
+    auto b = random_vector<double>(n, 2);
+    auto ref = c;
+    K::add_bias_rows(rows, n, b.data(), c.data(), ld);
+    for (index_t i = 0; i < rows; ++i)
+        for (index_t j = 0; j < n; ++j) ref[i * ld + j] += b[j];
+    check_close("add_bias_rows", c, ref, 0, 0);
+    std::vector<double> db(n, 1.0), rdb(n, 1.0);
+    K::sum_rows_accumulate(rows, n, c.data(), ld, db.data());
+    for (index_t i = 0; i < rows; ++i)
+        for (index_t j = 0; j < n; ++j) rdb[j] += c[i * ld + j];
+    check_close("sum_rows_accumulate", db, rdb, 1e-14, 1e-14);
+}

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Installs what mnemo needs to build, test and benchmark, from Debian 12's packages.
+# Idempotent: only packages that are missing are installed; apt-get update runs only then.
+#   tools/install-deps.sh            build + test + benchmark dependencies
+#   tools/install-deps.sh --python   also python3-torch, for the reference scripts under tools/
+set -euo pipefail
+
+packages=(build-essential cmake libeigen3-dev libxsimd-dev xtl-dev doctest-dev libbenchmark-dev)
+if [[ "${1:-}" == "--python" ]]; then
+  packages+=(python3-torch python3-numpy)
+fi
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [[ ${#missing[@]} -eq 0 ]]; then
+  echo "install-deps: all dependencies present"
+  exit 0
+fi
+
+echo "install-deps: installing ${missing[*]}"
+sudo=""
+if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -qq
+$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
