@@ -1,5 +1,7 @@
 #pragma once
 // Small row-wise helpers: bias broadcast, column sums (bias gradients), adds and copies.
+#include <algorithm>
+
 #include "../../core/shape.hpp"
 #include "simd.hpp"
 
@@ -63,6 +65,34 @@ struct elementwise {
                 for (; j < n; ++j) yi[j] += xi[j];
             } else {
                 for (; j < n; ++j) yi[j] = xi[j];
+            }
+        }
+    }
+
+    /// y[i, :] = table[ids[i], :]   (ids already checked to lie in [0, rows of table))
+    template <class T, class I>
+    static void gather_rows(index_t rows, index_t n, const I* ids, const T* table, index_t ldt, T* y, index_t ldy) {
+#pragma omp parallel for schedule(static) if (rows * n >= 65536)
+        for (index_t i = 0; i < rows; ++i) {
+            const T* src = table + static_cast<index_t>(ids[i]) * ldt;
+            T* yi = y + i * ldy;
+            for (index_t j = 0; j < n; ++j) yi[j] = src[j];
+        }
+    }
+
+    /// table[ids[i], :] += dy[i, :], in row order (threads split the columns: deterministic, and no
+    /// two threads ever add into the same element even when ids repeat).
+    template <class T, class I>
+    static void scatter_add_rows(index_t rows, index_t n, const I* ids, const T* dy, index_t ld, T* table, index_t ldt) {
+        constexpr index_t block = 64;
+        const index_t nblocks = (n + block - 1) / block;
+#pragma omp parallel for schedule(static) if (rows * n >= 65536)
+        for (index_t cb = 0; cb < nblocks; ++cb) {
+            const index_t j0 = cb * block, j1 = std::min(n, j0 + block);
+            for (index_t i = 0; i < rows; ++i) {
+                const T* di = dy + i * ld;
+                T* ti = table + static_cast<index_t>(ids[i]) * ldt;
+                for (index_t j = j0; j < j1; ++j) ti[j] += di[j];
             }
         }
     }

@@ -1,0 +1,22 @@
+#pragma once
+// mnemo: long-range sequence models with memory, header-only C++20 (CPU build).
+// Include this one header, or the pieces you need:
+//   core/     shapes, views, backend tags, parameters, buffers, rng, errors
+//   kernels/  cpu/ (Eigen GEMM, xsimd element-wise kernels, OpenMP)
+//   nn/       layers with hand-written backward passes
+//   train/    optimizers, clipping, schedules, safetensors checkpoints
+#include "core/activation.hpp"
+#include "core/backend.hpp"
+#include "core/buffer.hpp"
+#include "core/config.hpp"
+#include "core/error.hpp"
+#include "core/parameters.hpp"
+#include "core/rng.hpp"
+#include "core/shape.hpp"
+#include "core/view.hpp"
+#include "kernels/cpu/ops.hpp"
+#include "nn/embedding.hpp"
+#include "nn/feed_forward.hpp"
+#include "nn/layer_norm.hpp"
+#include "nn/linear.hpp"
+#include "nn/residual.hpp"

@@ -1,0 +1,62 @@
+#pragma once
+// Position-wise feed-forward network (Vaswani et al., 2017), as labml's FeedForward:
+//   h = x·W1ᵀ + b1  [rows, Dff]      a = act(h)      y = a·W2ᵀ + b2  [rows, D]
+// Parameters `<name>.layer1.{weight,bias}` [Dff, D], [Dff] and `<name>.layer2.{weight,bias}` [D, Dff], [D].
+// The module keeps h and a for backward (buffers that grow to the largest rows seen, then are reused).
+#include <string>
+
+#include "../core/activation.hpp"
+#include "../core/buffer.hpp"
+#include "linear.hpp"
+
+namespace mnemo {
+
+template <class T, std::size_t D, std::size_t Dff, class Act = relu, class Backend = cpu>
+class feed_forward {
+    using K = ops<Backend>;
+
+public:
+    feed_forward(parameter_set<T>& ps, const std::string& name)
+        : layer1_(ps, name + ".layer1"), layer2_(ps, name + ".layer2") {}
+
+    void reset_parameters(rng& r) const {
+        layer1_.reset_parameters(r);
+        layer2_.reset_parameters(r);
+    }
+
+    /// y[rows, D] = FFN(x[rows, D]); saves h and a.
+    template <view_of<T> X, view_of<T> Y>
+    void forward(const X& x, const Y& y) {
+        static_assert(check_view<D, X, axis::d_model, Backend>());
+        static_assert(check_view<D, Y, axis::d_model, Backend>());
+        const index_t rows = x.rows();
+        rows_ = rows;
+        view<T, Dff, Backend> h(hidden_.ensure(rows * Dff), rows), a(act_.ensure(rows * Dff), rows);
+        layer1_.forward(x, h);
+        K::template activation_forward<Act>(rows * static_cast<index_t>(Dff), h.data(), a.data());
+        layer2_.forward(a, y);
+    }
+
+    /// Parameter grads +=; dx = ∂/∂x (assigned, or += when accumulate_dx). Reads what forward saved.
+    template <view_of<T> X, view_of<T> DY, view_of<T> DX>
+    void backward(const X& x, const DY& dy, const DX& dx, bool accumulate_dx = false) {
+        static_assert(check_view<D, X, axis::d_model, Backend>());
+        MNEMO_CHECK(x.rows() == rows_, "feed_forward: backward over ", x.rows(), " rows but forward saw ", rows_);
+        const index_t rows = x.rows();
+        view<T, Dff, Backend> h(hidden_.data(), rows), a(act_.data(), rows), da(grad_.ensure(rows * Dff), rows);
+        layer2_.backward(view<const T, Dff, Backend>(a), dy, da);
+        K::template activation_backward<Act>(rows * static_cast<index_t>(Dff), h.data(), da.data(), da.data());
+        layer1_.backward(x, view<const T, Dff, Backend>(da), dx, accumulate_dx);
+    }
+
+    const linear<T, D, Dff, Backend>& layer1() const { return layer1_; }
+    const linear<T, Dff, D, Backend>& layer2() const { return layer2_; }
+
+private:
+    linear<T, D, Dff, Backend> layer1_;
+    linear<T, Dff, D, Backend> layer2_;
+    buffer<T> hidden_, act_, grad_;  // h, a, and dL/da then dL/dh: [rows, Dff] each
+    index_t rows_ = 0;
+};
+
+}  // namespace mnemo

@@ -1,0 +1,96 @@
+#pragma once
+// Layer normalisation over d_model, as torch.nn.LayerNorm([D]) (Ba et al., 2016):
+//   y = (x − μ)/sqrt(σ² + eps) · w + b      w [D] (`<name>.weight`, ones), b [D] (`<name>.bias`, zeros)
+// Forward saves μ and 1/sqrt(σ² + eps) per row in a norm_stats; backward reads them.
+// Backward: dw += Σ dy·x̂, db += Σ dy, dx = r·(dy·w − mean(dy·w) − x̂·mean(dy·w·x̂)).
+//
+// The module owns one set of saved statistics for the common case of one call per step; a caller
+// that normalises several tensors with the same parameters in one step passes its own norm_stats.
+#include <string>
+
+#include "../core/buffer.hpp"
+#include "module.hpp"
+
+namespace mnemo {
+
+/// Per-row statistics saved by a layer-norm forward: mean [rows], rstd [rows].
+template <class T>
+struct norm_stats {
+    T* mean = nullptr;
+    T* rstd = nullptr;
+};
+
+template <class T, std::size_t D, class Backend = cpu>
+class layer_norm {
+    using K = ops<Backend>;
+    static_assert(D != dynamic, "mnemo: layer_norm needs a static feature extent");
+
+public:
+    static constexpr std::size_t features = D;
+
+    layer_norm(parameter_set<T>& ps, const std::string& name, T eps = T(1e-5)) : eps_(eps) {
+        MNEMO_CHECK(eps > T(0), "layer_norm '", name, "': eps must be positive, got ", eps);
+        weight_ = ps.declare(name + ".weight", {static_cast<index_t>(D)});
+        bias_ = ps.declare(name + ".bias", {static_cast<index_t>(D)});
+    }
+
+    /// PyTorch's default: w = 1, b = 0.
+    void reset_parameters() const {
+        for (index_t i = 0; i < static_cast<index_t>(D); ++i) {
+            weight_.value()[i] = T(1);
+            bias_.value()[i] = T(0);
+        }
+    }
+
+    /// y = LN(x), statistics saved in `stats` (each [rows]).
+    template <view_of<T> X, view_of<T> Y>
+    void forward(const X& x, const Y& y, norm_stats<T> stats) const {
+        static_assert(check_view<D, X, axis::d_model, Backend>());
+        static_assert(check_view<D, Y, axis::d_model, Backend>());
+        check_rows(x, y, "layer_norm", "x", "y");
+        K::layer_norm_forward(x.rows(), static_cast<index_t>(D), x.data(), x.ld(), weight_.value(), bias_.value(),
+                              eps_, y.data(), y.ld(), stats.mean, stats.rstd);
+    }
+    /// y = LN(x), statistics saved in the module's own buffers.
+    template <view_of<T> X, view_of<T> Y>
+    void forward(const X& x, const Y& y) {
+        forward(x, y, own_stats(x.rows()));
+    }
+
+    /// dw += Σ dy·x̂, db += Σ dy, dx = ∂/∂x (dx assigned; skipped when dx has no data).
+    template <view_of<T> X, view_of<T> DY, view_of<T> DX>
+    void backward(const X& x, const DY& dy, const DX& dx, norm_stats<T> stats) const {
+        static_assert(check_view<D, X, axis::d_model, Backend>());
+        static_assert(check_view<D, DY, axis::d_model, Backend>());
+        static_assert(check_view<D, DX, axis::d_model, Backend>());
+        check_rows(x, dy, "layer_norm", "x", "dy");
+        if (dx.data()) check_rows(x, dx, "layer_norm", "x", "dx");
+        K::layer_norm_backward(x.rows(), static_cast<index_t>(D), x.data(), x.ld(), weight_.value(), stats.mean,
+                               stats.rstd, dy.data(), dy.ld(), dx.data(), dx.ld(), weight_.grad(), bias_.grad());
+    }
+    template <view_of<T> X, view_of<T> DY, view_of<T> DX>
+    void backward(const X& x, const DY& dy, const DX& dx) const {
+        MNEMO_CHECK(x.rows() <= saved_rows_, "layer_norm: backward over ", x.rows(), " rows but forward saved ",
+                    saved_rows_);
+        backward(x, dy, dx, norm_stats<T>{const_cast<T*>(mean_.data()), const_cast<T*>(rstd_.data())});
+    }
+
+    /// Statistics buffers owned by the module, grown to `rows`.
+    norm_stats<T> own_stats(index_t rows) {
+        saved_rows_ = rows;
+        return {mean_.ensure(rows), rstd_.ensure(rows)};
+    }
+
+    T eps() const { return eps_; }
+    const param<T>& weight() const { return weight_; }
+    const param<T>& bias() const { return bias_; }
+
+private:
+    T eps_;
+    param<T> weight_;  // [D]
+    param<T> bias_;    // [D]
+    buffer<T> mean_, rstd_;
+    index_t saved_rows_ = 0;
+};
+
+}  // namespace mnemo

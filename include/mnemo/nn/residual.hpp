@@ -1,0 +1,43 @@
+#pragma once
+// Residual connection (He et al., 2016):  y = x + f(x)
+// Backward: dx = dy and df = dy (both assigned, or added on request: the stream's gradient usually
+// already holds the contribution of the sub-layer that read it).
+#include "module.hpp"
+
+namespace mnemo {
+
+template <class T, std::size_t D, class Backend = cpu>
+struct residual {
+    using K = ops<Backend>;
+
+    /// y = x + f (y may alias x or f)
+    template <view_of<T> X, view_of<T> F, view_of<T> Y>
+    static void forward(const X& x, const F& f, const Y& y) {
+        static_assert(check_view<D, X, axis::d_model, Backend>());
+        static_assert(check_view<D, F, axis::d_model, Backend>());
+        static_assert(check_view<D, Y, axis::d_model, Backend>());
+        check_rows(x, f, "residual", "x", "f");
+        check_rows(x, y, "residual", "x", "y");
+        K::add(x.rows(), static_cast<index_t>(D), x.data(), x.ld(), f.data(), f.ld(), y.data(), y.ld());
+    }
+
+    /// dx (= or +=) dy, df (= or +=) dy; either may be an empty view to skip it.
+    template <view_of<T> DY, view_of<T> DX, view_of<T> DF>
+    static void backward(const DY& dy, const DX& dx, const DF& df, bool accumulate = false) {
+        static_assert(check_view<D, DY, axis::d_model, Backend>());
+        static_assert(check_view<D, DX, axis::d_model, Backend>());
+        static_assert(check_view<D, DF, axis::d_model, Backend>());
+        if (dx.data()) {
+            check_rows(dy, dx, "residual", "dy", "dx");
+            if (dx.data() != dy.data() || accumulate)
+                K::copy(dy.rows(), static_cast<index_t>(D), dy.data(), dy.ld(), dx.data(), dx.ld(), accumulate);
+        }
+        if (df.data()) {
+            check_rows(dy, df, "residual", "dy", "df");
+            if (df.data() != dy.data() || accumulate)
+                K::copy(dy.rows(), static_cast<index_t>(D), dy.data(), dy.ld(), df.data(), df.ld(), accumulate);
+        }
+    }
+};
+
+}  // namespace mnemo
