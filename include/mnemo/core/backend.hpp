@@ -36,8 +36,10 @@ struct ops {
 /// expect_backend<Expected, Got>: a view of one backend passed to a module of another.
 template <class Expected, class Got>
 struct expect_backend {
-    static constexpr bool value = std::is_same_v<Expected, Got>;
-    static_assert(value, "mnemo: backend mismatch: a view of backend Got was passed to a module of backend Expected");
+    static constexpr bool same = std::is_same_v<Expected, Got>;
+    static_assert(same, "mnemo: backend mismatch: a view of backend Got was passed to a module of backend Expected "
+                        "(see expect_backend<Expected, Got>)");
+    static constexpr bool value = true;
 };
 
 }  // namespace mnemo

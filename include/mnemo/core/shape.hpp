@@ -30,24 +30,27 @@ struct expect_extent {
     static_assert(agree,
                   "mnemo: extent mismatch: a view with Got features was passed where Expected features "
                   "are required (the numbers are the arguments of expect_extent<Expected, Got, Axis>)");
-    static constexpr bool value = agree;
+    static constexpr bool value = true;  // the static_assert above is the one report
 };
 
 /// expect_divisible<DModel, Heads>: d_model must split evenly into heads.
 template <std::size_t DModel, std::size_t Heads>
 struct expect_divisible {
-    static_assert(Heads >= 1, "mnemo: the number of heads must be at least 1");
-    static constexpr bool value = Heads >= 1 && DModel % (Heads >= 1 ? Heads : 1) == 0;
-    static_assert(value,
-                  "mnemo: d_model must be divisible by heads (the numbers are the arguments of "
-                  "expect_divisible<DModel, Heads>)");
+    static constexpr bool divisible = Heads >= 1 && DModel % (Heads >= 1 ? Heads : 1) == 0;
+    static_assert(divisible,
+                  "mnemo: d_model must be divisible by heads, and heads at least 1 (the numbers are the "
+                  "arguments of expect_divisible<DModel, Heads>)");
+    static constexpr bool value = true;
 };
 
 /// expect_compression_rate<Rate>: the compression rate c must be at least 1.
 template <std::size_t Rate>
 struct expect_compression_rate {
-    static constexpr bool value = Rate >= 1;
-    static_assert(value, "mnemo: the compression rate must be at least 1 (see expect_compression_rate<Rate>)");
+    static constexpr bool rate_at_least_one = Rate >= 1;
+    static_assert(rate_at_least_one,
+                  "mnemo: the compression rate must be at least 1 (the number is the argument of "
+                  "expect_compression_rate<Rate>)");
+    static constexpr bool value = true;
 };
 
 /// An extent held at compile time when static, at run time when dynamic. Empty when static.
