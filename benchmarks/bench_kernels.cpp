@@ -1,0 +1,179 @@
+// Kernel benchmarks: GEMM GFLOP/s at transformer shapes against this machine's measured FP32 peak,
+// and throughput of softmax, layer norm and cross-entropy.
+//
+//   ./build/benchmarks/bench_kernels                       everything, 1 and 2 threads
+//   ./build/benchmarks/bench_kernels --benchmark_filter=gemm
+//
+// BM_peak_fp32 measures the peak: independent FMA chains on registers, no memory traffic. The
+// GEMM rows report `peak_frac`, their GFLOP/s over the peak measured in the same run with the same
+// thread count.
+#include <benchmark/benchmark.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <vector>
+
+#include <mnemo/kernels/cpu/ops.hpp>
+#include <mnemo/kernels/cpu/simd.hpp>
+
+namespace {
+
+using mnemo::index_t;
+using K = mnemo::ops<mnemo::cpu>;
+
+std::vector<float> filled(index_t n, float v) { return std::vector<float>(static_cast<std::size_t>(n), v); }
+
+// 12 independent accumulators hide the FMA latency (4 cycles × 2 pipes, with margin).
+double fma_loop(std::int64_t iters) {
+    using B = mnemo::simd::batch<float>;
+    B acc[12];
+    for (int i = 0; i < 12; ++i) acc[i] = B(1.0f + 0.001f * i);
+    const B a(0.999999f), b(1e-7f);
+    for (std::int64_t it = 0; it < iters; ++it)
+        for (int i = 0; i < 12; ++i) acc[i] = xsimd::fma(acc[i], a, b);
+    float s = 0;
+    for (int i = 0; i < 12; ++i) s += xsimd::hadd(acc[i]);
+    return s;
+}
+
+// FP32 GFLOP/s of `threads` threads running fma_loop, timed with a wall clock.
+double run_peak(int threads, std::int64_t iters) {
+    double sink = 0;
+    const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+    sink += fma_loop(iters);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    benchmark::DoNotOptimize(sink);
+    return 2.0 * 12 * mnemo::simd::width<float> * static_cast<double>(iters) * threads / seconds / 1e9;
+}
+
+// The peak for a thread count, measured once per process (best of five short runs).
+double peak_gflops(int threads) {
+    static std::map<int, double> cache;
+    auto it = cache.find(threads);
+    if (it != cache.end()) return it->second;
+    double best = 0;
+    for (int i = 0; i < 5; ++i) best = std::max(best, run_peak(threads, 4'000'000));
+    return cache[threads] = best;
+}
+
+void BM_peak_fp32(benchmark::State& state) {
+    const int threads = static_cast<int>(state.range(0));
+    const std::int64_t iters = 2'000'000;
+    for (auto _ : state) benchmark::DoNotOptimize(run_peak(threads, iters));
+    const double flops = 2.0 * 12 * mnemo::simd::width<float> * static_cast<double>(iters) * threads;
+    state.counters["GFLOPs"] = benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["threads"] = threads;
+    state.SetLabel("simd width " + std::to_string(mnemo::simd::width<float>) + " floats");
+}
+
+// C[M,N] = A·op(B) for the three forms; shape m × n × k.
+enum form { nn, nt, tn };
+
+void BM_gemm(benchmark::State& state, form f) {
+    const index_t m = state.range(0), n = state.range(1), k = state.range(2);
+    const int threads = static_cast<int>(state.range(3));
+    omp_set_num_threads(threads);
+    auto a = filled(m * k, 0.5f), b = filled(k * n, 0.25f), c = filled(m * n, 0.0f);
+    const double peak = peak_gflops(threads);  // measured before the timed loop
+    const auto t0 = std::chrono::steady_clock::now();
+    for (auto _ : state) {
+        switch (f) {
+            case nn: K::gemm_nn(m, n, k, a.data(), k, b.data(), n, c.data(), n); break;
+            case nt: K::gemm_nt(m, n, k, a.data(), k, b.data(), k, c.data(), n); break;
+            case tn: K::gemm_tn(m, n, k, a.data(), m, b.data(), n, c.data(), n); break;
+        }
+        benchmark::DoNotOptimize(c.data());
+        benchmark::ClobberMemory();
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double flops = 2.0 * double(m) * double(n) * double(k);
+    const double gflops = flops * static_cast<double>(state.iterations()) / seconds / 1e9;
+    state.counters["GFLOPs"] = gflops;
+    state.counters["peak_GFLOPs"] = peak;
+    state.counters["peak_frac"] = gflops / peak;  // against the FP32 peak, same thread count
+    state.counters["threads"] = threads;
+    omp_set_num_threads(omp_get_num_procs());
+}
+
+void BM_softmax(benchmark::State& state) {
+    const index_t rows = state.range(0), cols = state.range(1);
+    auto x = filled(rows * cols, 0.1f), y = filled(rows * cols, 0.0f);
+    for (index_t i = 0; i < rows * cols; ++i) x[i] = float(i % 97) * 0.01f;
+    for (auto _ : state) {
+        K::softmax_forward(rows, cols, x.data(), cols, y.data(), cols, 0.125f, mnemo::softmax_mask::causal_from(cols / 2));
+        benchmark::DoNotOptimize(y.data());
+    }
+    state.SetItemsProcessed(state.iterations() * rows);
+    state.SetBytesProcessed(state.iterations() * rows * cols * 2 * index_t(sizeof(float)));
+}
+
+void BM_layer_norm(benchmark::State& state) {
+    const index_t rows = state.range(0), d = state.range(1);
+    auto x = filled(rows * d, 0.0f), y = filled(rows * d, 0.0f), w = filled(d, 1.0f), b = filled(d, 0.0f);
+    for (index_t i = 0; i < rows * d; ++i) x[i] = float(i % 89) * 0.02f;
+    std::vector<float> mean(rows), rstd(rows);
+    for (auto _ : state) {
+        K::layer_norm_forward(rows, d, x.data(), d, w.data(), b.data(), 1e-5f, y.data(), d, mean.data(), rstd.data());
+        benchmark::DoNotOptimize(y.data());
+    }
+    state.SetItemsProcessed(state.iterations() * rows);
+    state.SetBytesProcessed(state.iterations() * rows * d * 2 * index_t(sizeof(float)));
+}
+
+void BM_layer_norm_backward(benchmark::State& state) {
+    const index_t rows = state.range(0), d = state.range(1);
+    auto x = filled(rows * d, 0.0f), dy = filled(rows * d, 0.5f), dx = filled(rows * d, 0.0f), w = filled(d, 1.0f);
+    auto dw = filled(d, 0.0f), db = filled(d, 0.0f);
+    for (index_t i = 0; i < rows * d; ++i) x[i] = float(i % 89) * 0.02f;
+    std::vector<float> mean(rows), rstd(rows);
+    K::layer_norm_forward<float>(rows, d, x.data(), d, w.data(), nullptr, 1e-5f, dx.data(), d, mean.data(), rstd.data());
+    for (auto _ : state) {
+        K::layer_norm_backward(rows, d, x.data(), d, w.data(), mean.data(), rstd.data(), dy.data(), d, dx.data(), d,
+                               dw.data(), db.data());
+        benchmark::DoNotOptimize(dx.data());
+    }
+    state.SetItemsProcessed(state.iterations() * rows);
+    state.SetBytesProcessed(state.iterations() * rows * d * 3 * index_t(sizeof(float)));
+}
+
+void BM_cross_entropy_fused(benchmark::State& state) {
+    const index_t rows = state.range(0), vocab = state.range(1);
+    auto x = filled(rows * vocab, 0.0f), dx = filled(rows * vocab, 0.0f), losses = filled(rows, 0.0f);
+    for (index_t i = 0; i < rows * vocab; ++i) x[i] = float(i % 31) * 0.1f;
+    std::vector<int> t(rows);
+    for (index_t i = 0; i < rows; ++i) t[i] = int(i % vocab);
+    for (auto _ : state) {
+        K::cross_entropy_fused(rows, vocab, x.data(), vocab, t.data(), losses.data(), 1.0f / rows, dx.data(), vocab);
+        benchmark::DoNotOptimize(dx.data());
+    }
+    state.SetItemsProcessed(state.iterations() * rows);
+    state.SetBytesProcessed(state.iterations() * rows * vocab * 2 * index_t(sizeof(float)));
+}
+
+void gemm_shapes(benchmark::internal::Benchmark* b) {
+    // (m, n, k): a d_model 256 / d_ff 768 projection over 1024 tokens, a 512 → 2048 feed-forward
+    // over 2048 tokens, and the square 1024 case.
+    for (int threads : {1, 2}) {
+        b->Args({1024, 256, 768, threads});
+        b->Args({1024, 768, 256, threads});
+        b->Args({2048, 512, 2048, threads});
+        b->Args({2048, 2048, 512, threads});
+        b->Args({1024, 1024, 1024, threads});
+    }
+}
+
+}  // namespace
+
+BENCHMARK(BM_peak_fp32)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_gemm, nn, nn)->Apply(gemm_shapes)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_gemm, nt, nt)->Apply(gemm_shapes)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_gemm, tn, tn)->Apply(gemm_shapes)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_softmax)->Args({4096, 512})->Args({1024, 4096})->Args({8192, 65})->UseRealTime();
+BENCHMARK(BM_layer_norm)->Args({4096, 128})->Args({4096, 512})->Args({8192, 256})->UseRealTime();
+BENCHMARK(BM_layer_norm_backward)->Args({4096, 128})->Args({4096, 512})->UseRealTime();
+BENCHMARK(BM_cross_entropy_fused)->Args({4096, 65})->Args({1024, 256})->Args({1024, 50257})->UseRealTime();
+
+BENCHMARK_MAIN();
