@@ -253,9 +253,7 @@ TEST_CASE("residual: a pre-LN block (x + FFN(LN(x))) matches finite differences"
     auto backward = [&] {
         mnemo::residual<double, D>::backward(CV(r.data(), rows), V(dx.data(), rows), V(df.data(), rows));
         ff.backward(CV(z.data(), rows), CV(df.data(), rows), V(dz.data(), rows));
-        std::vector<double> dxl(rows * D);
-        ln.backward(CV(x.data(), rows), CV(dz.data(), rows), V(dxl.data(), rows));
-        for (std::size_t i = 0; i < dx.size(); ++i) dx[i] += dxl[i];
+        ln.backward(CV(x.data(), rows), CV(dz.data(), rows), V(dx.data(), rows), /*accumulate_dx=*/true);
     };
     loss();
     ps.zero_grad();

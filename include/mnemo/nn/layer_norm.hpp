@@ -57,22 +57,24 @@ public:
         forward(x, y, own_stats(x.rows()));
     }
 
-    /// dw += Σ dy·x̂, db += Σ dy, dx = ∂/∂x (dx assigned; skipped when dx has no data).
+    /// dw += Σ dy·x̂, db += Σ dy, dx = ∂/∂x (dx assigned, or added when accumulate_dx — the pre-LN
+    /// residual stream's case; skipped when dx has no data).
     template <view_of<T> X, view_of<T> DY, view_of<T> DX>
-    void backward(const X& x, const DY& dy, const DX& dx, norm_stats<T> stats) const {
+    void backward(const X& x, const DY& dy, const DX& dx, norm_stats<T> stats, bool accumulate_dx = false) const {
         static_assert(check_view<D, X, axis::d_model, Backend>());
         static_assert(check_view<D, DY, axis::d_model, Backend>());
         static_assert(check_view<D, DX, axis::d_model, Backend>());
         check_rows(x, dy, "layer_norm", "x", "dy");
         if (dx.data()) check_rows(x, dx, "layer_norm", "x", "dx");
         K::layer_norm_backward(x.rows(), static_cast<index_t>(D), x.data(), x.ld(), weight_.value(), stats.mean,
-                               stats.rstd, dy.data(), dy.ld(), dx.data(), dx.ld(), weight_.grad(), bias_.grad());
+                               stats.rstd, dy.data(), dy.ld(), dx.data(), dx.ld(), weight_.grad(), bias_.grad(),
+                               accumulate_dx);
     }
     template <view_of<T> X, view_of<T> DY, view_of<T> DX>
-    void backward(const X& x, const DY& dy, const DX& dx) const {
+    void backward(const X& x, const DY& dy, const DX& dx, bool accumulate_dx = false) const {
         MNEMO_CHECK(x.rows() <= saved_rows_, "layer_norm: backward over ", x.rows(), " rows but forward saved ",
                     saved_rows_);
-        backward(x, dy, dx, norm_stats<T>{const_cast<T*>(mean_.data()), const_cast<T*>(rstd_.data())});
+        backward(x, dy, dx, norm_stats<T>{const_cast<T*>(mean_.data()), const_cast<T*>(rstd_.data())}, accumulate_dx);
     }
 
     /// Statistics buffers owned by the module, grown to `rows`.

@@ -2,7 +2,7 @@
 // Layer normalisation over the last axis (Ba et al., 2016), as torch.nn.LayerNorm:
 //   μ = mean(x),  σ² = mean((x − μ)²) (biased),  r = 1/sqrt(σ² + eps),  y = (x − μ)·r·w + b
 // Backward, with x̂ = (x − μ)·r and g = dy·w:
-//   dx = r · (g − mean(g) − x̂ · mean(g·x̂))            (assigned)
+//   dx = r · (g − mean(g) − x̂ · mean(g·x̂))            (assigned, or added when accumulate_dx)
 //   dw += Σ_rows dy·x̂,   db += Σ_rows dy               (accumulated)
 // dw/db are reduced over rows in a fixed order (threads split the columns), so the result does not
 // depend on the thread count.
@@ -58,10 +58,11 @@ struct layer_norm {
         }
     }
 
-    /// dx = LN backward (assigned, may be null); dw, db accumulated (may be null).
+    /// dx = LN backward (assigned, or added when accumulate_dx; may be null); dw, db accumulated (may be null).
     template <class T>
     static void layer_norm_backward(index_t rows, index_t d, const T* x, index_t ldx, const T* w, const T* mean,
-                                    const T* rstd, const T* dy, index_t lddy, T* dx, index_t lddx, T* dw, T* db) {
+                                    const T* rstd, const T* dy, index_t lddy, T* dx, index_t lddx, T* dw, T* db,
+                                    bool accumulate_dx = false) {
         using B = simd::batch<T>;
         const index_t nv = simd::full_batches<T>(d);
         if (dx) {
@@ -94,11 +95,14 @@ struct layer_norm {
                     B g = simd::load(dyi + j);
                     if (w) g *= simd::load(w + j);
                     const B xh = (simd::load(xi + j) - vmu) * vr;
-                    simd::store(dxi + j, vr * (g - vmg - xh * vmgx));
+                    B v = vr * (g - vmg - xh * vmgx);
+                    if (accumulate_dx) v += simd::load(dxi + j);
+                    simd::store(dxi + j, v);
                 }
                 for (; j < d; ++j) {
                     const T g = w ? dyi[j] * w[j] : dyi[j];
-                    dxi[j] = r * (g - mg - (xi[j] - mu) * r * mgx);
+                    const T v = r * (g - mg - (xi[j] - mu) * r * mgx);
+                    dxi[j] = accumulate_dx ? dxi[j] + v : v;
                 }
             }
         }
