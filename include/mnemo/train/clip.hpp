@@ -28,7 +28,7 @@
 
 namespace mnemo {
 
-namespace detail {
+namespace detail::optim {
 
 // Element-wise loops over the parameter buffers run on one thread below this many elements: starting
 // a parallel region costs a few microseconds, about what one thread needs for this many elements.
@@ -83,13 +83,13 @@ void check_grad_buffer(const T* grads, index_t n, const char* who) {
     MNEMO_CHECK(grads != nullptr || n == 0, who, ": the gradient buffer is null but n = ", n);
 }
 
-}  // namespace detail
+}  // namespace detail::optim
 
 /// ‖grads‖₂ over grads[0, n), accumulated in double.
 template <class T>
 double grad_norm(const T* grads, index_t n) {
-    detail::check_grad_buffer(grads, n, "grad_norm");
-    return std::sqrt(detail::sum_of_squares(grads, n));
+    detail::optim::check_grad_buffer(grads, n, "grad_norm");
+    return std::sqrt(detail::optim::sum_of_squares(grads, n));
 }
 
 /// The global gradient norm of a parameter set (the alignment gaps hold zeros and add nothing).
@@ -102,13 +102,13 @@ double grad_norm(const parameter_set<T>& set) {
 /// their global L2 norm is at most max_norm (up to the 1e-6 guard) and returns the norm before clipping.
 template <class T>
 double clip_grad_norm(T* grads, index_t n, double max_norm) {
-    detail::check_grad_buffer(grads, n, "clip_grad_norm");
+    detail::optim::check_grad_buffer(grads, n, "clip_grad_norm");
     MNEMO_CHECK(std::isfinite(max_norm) && max_norm > 0.0,
                 "clip_grad_norm: max_norm must be finite and > 0, got ", max_norm);
-    const double total = std::sqrt(detail::sum_of_squares(grads, n));
+    const double total = std::sqrt(detail::optim::sum_of_squares(grads, n));
     const T coef = (T(1) / (static_cast<T>(total) + static_cast<T>(1e-6))) * static_cast<T>(max_norm);
     if (!(coef >= T(1))) {  // also taken for NaN, which then propagates as in PyTorch
-#pragma omp parallel for simd schedule(static) if (n >= detail::elementwise_parallel_threshold)
+#pragma omp parallel for simd schedule(static) if (n >= detail::optim::elementwise_parallel_threshold)
         for (index_t i = 0; i < n; ++i) grads[i] *= coef;
     }
     return total;

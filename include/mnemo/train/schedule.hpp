@@ -35,7 +35,7 @@ concept lr_schedule = requires(const S& s, std::int64_t step) {
     { s.lr(step) } -> std::convertible_to<double>;
 };
 
-namespace detail {
+namespace detail::optim {
 inline void check_schedule_lr(double lr, const char* who, const char* what = "lr") {
     MNEMO_CHECK(std::isfinite(lr) && lr >= 0.0, who, ": ", what, " must be finite and >= 0, got ", lr);
 }
@@ -47,14 +47,14 @@ inline void check_schedule_step(std::int64_t step, const char* who) {
 inline double warmup_factor(double start_factor, std::int64_t step, std::int64_t warmup_steps) {
     return start_factor + (1.0 - start_factor) * static_cast<double>(step) / static_cast<double>(warmup_steps);
 }
-}  // namespace detail
+}  // namespace detail::optim
 
 /// The same rate at every step.
 class constant_schedule {
 public:
-    explicit constant_schedule(double lr) : lr_(lr) { detail::check_schedule_lr(lr, "constant_schedule"); }
+    explicit constant_schedule(double lr) : lr_(lr) { detail::optim::check_schedule_lr(lr, "constant_schedule"); }
     double lr(std::int64_t step) const {
-        detail::check_schedule_step(step, "constant_schedule");
+        detail::optim::check_schedule_step(step, "constant_schedule");
         return lr_;
     }
     double base_lr() const { return lr_; }
@@ -69,14 +69,14 @@ class linear_warmup_schedule {
 public:
     linear_warmup_schedule(double lr, std::int64_t warmup_steps, double start_factor = 0.0)
         : lr_(lr), warmup_(warmup_steps), start_(start_factor) {
-        detail::check_schedule_lr(lr, "linear_warmup_schedule");
+        detail::optim::check_schedule_lr(lr, "linear_warmup_schedule");
         MNEMO_CHECK(warmup_steps >= 0, "linear_warmup_schedule: warmup_steps must be >= 0, got ", warmup_steps);
         MNEMO_CHECK(std::isfinite(start_factor) && start_factor >= 0.0 && start_factor <= 1.0,
                     "linear_warmup_schedule: start_factor must be in [0, 1], got ", start_factor);
     }
     double lr(std::int64_t step) const {
-        detail::check_schedule_step(step, "linear_warmup_schedule");
-        if (step < warmup_) return lr_ * detail::warmup_factor(start_, step, warmup_);
+        detail::optim::check_schedule_step(step, "linear_warmup_schedule");
+        if (step < warmup_) return lr_ * detail::optim::warmup_factor(start_, step, warmup_);
         return lr_;
     }
     double base_lr() const { return lr_; }
@@ -96,8 +96,8 @@ public:
     cosine_schedule(double lr, std::int64_t total_steps, double min_lr = 0.0, std::int64_t warmup_steps = 0,
                     double warmup_start_factor = 0.0)
         : lr_(lr), min_lr_(min_lr), total_(total_steps), warmup_(warmup_steps), start_(warmup_start_factor) {
-        detail::check_schedule_lr(lr, "cosine_schedule");
-        detail::check_schedule_lr(min_lr, "cosine_schedule", "min_lr");
+        detail::optim::check_schedule_lr(lr, "cosine_schedule");
+        detail::optim::check_schedule_lr(min_lr, "cosine_schedule", "min_lr");
         MNEMO_CHECK(warmup_steps >= 0, "cosine_schedule: warmup_steps must be >= 0, got ", warmup_steps);
         MNEMO_CHECK(total_steps > warmup_steps, "cosine_schedule: total_steps (", total_steps,
                     ") must be greater than warmup_steps (", warmup_steps, ")");
@@ -105,8 +105,8 @@ public:
                     "cosine_schedule: warmup_start_factor must be in [0, 1], got ", warmup_start_factor);
     }
     double lr(std::int64_t step) const {
-        detail::check_schedule_step(step, "cosine_schedule");
-        if (step < warmup_) return lr_ * detail::warmup_factor(start_, step, warmup_);
+        detail::optim::check_schedule_step(step, "cosine_schedule");
+        if (step < warmup_) return lr_ * detail::optim::warmup_factor(start_, step, warmup_);
         if (step >= total_) return min_lr_;
         const double progress = static_cast<double>(step - warmup_) / static_cast<double>(total_ - warmup_);
         return min_lr_ + (lr_ - min_lr_) * (1.0 + std::cos(std::numbers::pi * progress)) / 2.0;
@@ -128,12 +128,12 @@ class noam_schedule {
 public:
     noam_schedule(double lr, std::int64_t d_model, std::int64_t warmup_steps)
         : lr_(lr), d_model_(d_model), warmup_(warmup_steps) {
-        detail::check_schedule_lr(lr, "noam_schedule");
+        detail::optim::check_schedule_lr(lr, "noam_schedule");
         MNEMO_CHECK(d_model >= 1, "noam_schedule: d_model must be >= 1, got ", d_model);
         MNEMO_CHECK(warmup_steps >= 1, "noam_schedule: warmup_steps must be >= 1, got ", warmup_steps);
     }
     double lr(std::int64_t step) const {
-        detail::check_schedule_step(step, "noam_schedule");
+        detail::optim::check_schedule_step(step, "noam_schedule");
         const double t = static_cast<double>(step + 1);
         // Same grouping as labml: lr * (d_model^-0.5 * min(...)).
         const double factor = std::pow(static_cast<double>(d_model_), -0.5) *
@@ -154,11 +154,11 @@ private:
 class adam_warmup_schedule {
 public:
     adam_warmup_schedule(double lr, std::int64_t warmup_steps) : lr_(lr), warmup_(warmup_steps) {
-        detail::check_schedule_lr(lr, "adam_warmup_schedule");
+        detail::optim::check_schedule_lr(lr, "adam_warmup_schedule");
         MNEMO_CHECK(warmup_steps >= 0, "adam_warmup_schedule: warmup_steps must be >= 0, got ", warmup_steps);
     }
     double lr(std::int64_t step) const {
-        detail::check_schedule_step(step, "adam_warmup_schedule");
+        detail::optim::check_schedule_step(step, "adam_warmup_schedule");
         const std::int64_t t = step + 1;
         if (warmup_ > t) return 1e-8 + static_cast<double>(t) * lr_ / static_cast<double>(warmup_);
         return lr_;
