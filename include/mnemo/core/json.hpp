@@ -5,7 +5,8 @@
 // Strict means: no comments, no trailing commas, no leading zeros or '+', no NaN/Infinity, no
 // control characters or invalid UTF-8 inside strings, no lone surrogates in \u escapes, no
 // duplicate object keys (the safetensors spec forbids them, and two parsers resolving a duplicate
-// differently is a known attack on model files), and nothing but whitespace after the value.
+// differently is a known attack on model files), nothing but whitespace after the value, and no
+// number beyond the range of a double (1e999 and 1e-400 are errors, not infinity or zero).
 // Every error is a json::parse_error (a mnemo::error) whose message gives the byte position:
 //   "mnemo: malformed JSON at byte 17: expected ':' after an object key, found ','"
 // Nesting is limited (parse_options::max_depth) so hostile input cannot overflow the stack.
@@ -173,9 +174,7 @@ private:
     [[noreturn]] void fail_at(std::size_t pos, std::string detail) const { throw parse_error(pos, std::move(detail)); }
     [[noreturn]] void fail(std::string detail) const { fail_at(pos_, std::move(detail)); }
     // "expected X, found 'c'" with the offending character made printable.
-    [[noreturn]] void fail_found(const std::string& expected) const {
-        fail(expected + ", found " + describe_here());
-    }
+    [[noreturn]] void fail_found(const std::string& expected) const { fail(expected + ", found " + describe_here()); }
     std::string describe_here() const {
         if (pos_ >= s_.size()) return "the end of the input";
         const auto c = static_cast<unsigned char>(s_[pos_]);
@@ -374,7 +373,8 @@ private:
             fail("invalid UTF-8 in a string (byte 0x" + hex_byte(b0) + ")");
         }
         for (std::size_t i = 1; i < len; ++i) {
-            if (start + i >= s_.size()) fail_at(start, "invalid UTF-8 in a string (sequence cut off by the end of the input)");
+            if (start + i >= s_.size())
+                fail_at(start, "invalid UTF-8 in a string (sequence cut off by the end of the input)");
             const auto b = static_cast<unsigned char>(s_[start + i]);
             const unsigned char l = i == 1 ? lo : 0x80, h = i == 1 ? hi : 0xBF;
             if (b < l || b > h) fail_at(start + i, "invalid UTF-8 in a string (byte 0x" + hex_byte(b) + ")");
@@ -399,7 +399,9 @@ private:
                 ++pos_;
                 return;
             }
-            if (c < 0x20) fail("expected an escape sequence instead of a raw control character (byte 0x" + hex_byte(c) + ") in a string");
+            if (c < 0x20)
+                fail("expected an escape sequence instead of a raw control character (byte 0x" + hex_byte(c) +
+                     ") in a string");
             if (c >= 0x80) {
                 copy_utf8_sequence(out);
                 continue;
@@ -425,22 +427,25 @@ private:
                 case 't': out += '\t'; break;
                 case 'u': {
                     std::uint32_t cp = parse_hex4();
-                    if (cp >= 0xDC00 && cp <= 0xDFFF) fail_at(esc, "lone low surrogate \\u" + hex4(cp) + " in a string");
+                    if (cp >= 0xDC00 && cp <= 0xDFFF)
+                        fail_at(esc, "lone low surrogate \\u" + hex4(cp) + " in a string");
                     if (cp >= 0xD800 && cp <= 0xDBFF) {
                         // A high surrogate must be followed by an escaped low one.
                         if (s_.substr(pos_, 2) != "\\u")
-                            fail_at(esc, "expected a low surrogate \\uDC00-\\uDFFF after the high surrogate \\u" + hex4(cp));
+                            fail_at(esc,
+                                    "expected a low surrogate \\uDC00-\\uDFFF after the high surrogate \\u" + hex4(cp));
                         pos_ += 2;
                         const std::uint32_t lo = parse_hex4();
                         if (lo < 0xDC00 || lo > 0xDFFF)
-                            fail_at(esc, "expected a low surrogate \\uDC00-\\uDFFF after the high surrogate \\u" + hex4(cp));
+                            fail_at(esc,
+                                    "expected a low surrogate \\uDC00-\\uDFFF after the high surrogate \\u" + hex4(cp));
                         cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
                     }
                     append_utf8(out, cp);
                     break;
                 }
                 default:
-                    --pos_;
+                    --pos_;  // point at the character after the backslash
                     fail_found("expected one of \\\" \\\\ \\/ \\b \\f \\n \\r \\t \\u after '\\'");
             }
         }
