@@ -276,3 +276,51 @@ TEST_CASE("residual: backward assigns or accumulates") {
                                          view<double, D>(), true);
     for (std::size_t i = 0; i < 6; ++i) CHECK(dx[i] == 2 * dy[i]);
 }
+
+TEST_CASE("feed_forward: a runtime d_ff (dynamic extent) matches finite differences") {
+    constexpr std::size_t D = 4;
+    const index_t rows = 2, d_ff = 6;
+    mnemo::parameter_set<double> ps;
+    mnemo::feed_forward<double, D, mnemo::dynamic> ff(ps, "feed_forward", d_ff);
+    ps.allocate();
+    randomize(ps, 23);
+    CHECK(ps.find("feed_forward.layer1.weight")->shape == std::vector<index_t>{d_ff, index_t(D)});
+    auto x = random_vector<double>(rows * D, 24);
+    auto r = random_vector<double>(rows * D, 25);
+    std::vector<double> y(rows * D), dx(rows * D);
+    auto loss = [&] {
+        ff.forward(view<const double, D>(x.data(), rows), view<double, D>(y.data(), rows));
+        return project(y, r);
+    };
+    loss();
+    ps.zero_grad();
+    ff.backward(view<const double, D>(x.data(), rows), view<const double, D>(r.data(), rows), view<double, D>(dx.data(), rows));
+    auto targets = parameter_targets(ps);
+    targets.push_back({"x", x.data(), dx});
+    check_gradients(loss, targets);
+}
+
+TEST_CASE("linear and layer_norm: backward_input gives dx and leaves parameter gradients untouched") {
+    constexpr std::size_t D = 5;
+    const index_t rows = 3;
+    mnemo::parameter_set<double> ps;
+    mnemo::linear<double, D, D> lin(ps, "lin");
+    mnemo::layer_norm<double, D> ln(ps, "ln");
+    ps.allocate();
+    randomize(ps, 26);
+    auto x = random_vector<double>(rows * D, 27);
+    auto dy = random_vector<double>(rows * D, 28);
+    std::vector<double> y(rows * D), dx_full(rows * D), dx_input(rows * D), mean(rows), rstd(rows);
+    using V = view<double, D>;
+    lin.backward(V(x.data(), rows), V(dy.data(), rows), V(dx_full.data(), rows));
+    ps.zero_grad();
+    lin.backward_input(V(dy.data(), rows), V(dx_input.data(), rows));
+    check_close("linear backward_input", dx_input, dx_full, 0, 0);
+    mnemo::norm_stats<double> st{mean.data(), rstd.data()};
+    ln.forward(V(x.data(), rows), V(y.data(), rows), st);
+    ln.backward(V(x.data(), rows), V(dy.data(), rows), V(dx_full.data(), rows), st);
+    ps.zero_grad();
+    ln.backward_input(V(x.data(), rows), V(dy.data(), rows), V(dx_input.data(), rows), st);
+    check_close("layer_norm backward_input", dx_input, dx_full, 0, 0);
+    for (index_t i = 0; i < ps.size(); ++i) REQUIRE(ps.grads()[i] == 0.0);
+}

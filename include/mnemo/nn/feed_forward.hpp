@@ -3,6 +3,7 @@
 //   h = x·W1ᵀ + b1  [rows, Dff]      a = act(h)      y = a·W2ᵀ + b2  [rows, D]
 // Parameters `<name>.layer1.{weight,bias}` [Dff, D], [Dff] and `<name>.layer2.{weight,bias}` [D, Dff], [D].
 // The module keeps h and a for backward (buffers that grow to the largest rows seen, then are reused).
+// Dff may be `dynamic` (given at construction): models read d_ff from a checkpoint at run time.
 #include <string>
 
 #include "../core/activation.hpp"
@@ -16,8 +17,14 @@ class feed_forward {
     using K = ops<Backend>;
 
 public:
-    feed_forward(parameter_set<T>& ps, const std::string& name)
-        : layer1_(ps, name + ".layer1"), layer2_(ps, name + ".layer2") {}
+    feed_forward(parameter_set<T>& ps, const std::string& name) requires(Dff != dynamic)
+        : feed_forward(ps, name, static_cast<index_t>(Dff)) {}
+    feed_forward(parameter_set<T>& ps, const std::string& name, index_t d_ff)
+        : d_ff_(d_ff),
+          layer1_(ps, name + ".layer1", static_cast<index_t>(D), d_ff, true),
+          layer2_(ps, name + ".layer2", d_ff, static_cast<index_t>(D), true) {}
+
+    index_t d_ff() const { return d_ff_; }
 
     void reset_parameters(rng& r) const {
         layer1_.reset_parameters(r);
@@ -31,9 +38,9 @@ public:
         static_assert(check_view<D, Y, axis::d_model, Backend>());
         const index_t rows = x.rows();
         rows_ = rows;
-        view<T, Dff, Backend> h(hidden_.ensure(rows * Dff), rows), a(act_.ensure(rows * Dff), rows);
+        view<T, Dff, Backend> h(hidden_.ensure(rows * d_ff_), rows, d_ff_), a(act_.ensure(rows * d_ff_), rows, d_ff_);
         layer1_.forward(x, h);
-        K::template activation_forward<Act>(rows * static_cast<index_t>(Dff), h.data(), a.data());
+        K::template activation_forward<Act>(rows * d_ff_, h.data(), a.data());
         layer2_.forward(a, y);
     }
 
@@ -43,16 +50,18 @@ public:
         static_assert(check_view<D, X, axis::d_model, Backend>());
         MNEMO_CHECK(x.rows() == rows_, "feed_forward: backward over ", x.rows(), " rows but forward saw ", rows_);
         const index_t rows = x.rows();
-        view<T, Dff, Backend> h(hidden_.data(), rows), a(act_.data(), rows), da(grad_.ensure(rows * Dff), rows);
-        layer2_.backward(view<const T, Dff, Backend>(a), dy, da);
-        K::template activation_backward<Act>(rows * static_cast<index_t>(Dff), h.data(), da.data(), da.data());
-        layer1_.backward(x, view<const T, Dff, Backend>(da), dx, accumulate_dx);
+        view<T, Dff, Backend> h(hidden_.data(), rows, d_ff_), a(act_.data(), rows, d_ff_),
+            da(grad_.ensure(rows * d_ff_), rows, d_ff_);
+        layer2_.backward(a, dy, da);
+        K::template activation_backward<Act>(rows * d_ff_, h.data(), da.data(), da.data());
+        layer1_.backward(x, da, dx, accumulate_dx);
     }
 
     const linear<T, D, Dff, Backend>& layer1() const { return layer1_; }
     const linear<T, Dff, D, Backend>& layer2() const { return layer2_; }
 
 private:
+    index_t d_ff_;
     linear<T, D, Dff, Backend> layer1_;
     linear<T, Dff, D, Backend> layer2_;
     buffer<T> hidden_, act_, grad_;  // h, a, and dL/da then dL/dh: [rows, Dff] each

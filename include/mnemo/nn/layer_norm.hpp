@@ -77,6 +77,20 @@ public:
         backward(x, dy, dx, norm_stats<T>{const_cast<T*>(mean_.data()), const_cast<T*>(rstd_.data())}, accumulate_dx);
     }
 
+    /// dx only (assigned, or added when accumulate_dx): w and b are read as constants and receive no
+    /// gradient (a detached use, as the attention-reconstruction loss makes of them).
+    template <view_of<T> X, view_of<T> DY, view_of<T> DX>
+    void backward_input(const X& x, const DY& dy, const DX& dx, norm_stats<T> stats, bool accumulate_dx = false) const {
+        static_assert(check_view<D, X, axis::d_model, Backend>());
+        static_assert(check_view<D, DY, axis::d_model, Backend>());
+        static_assert(check_view<D, DX, axis::d_model, Backend>());
+        check_rows(x, dy, "layer_norm", "x", "dy");
+        check_rows(x, dx, "layer_norm", "x", "dx");
+        K::layer_norm_backward(x.rows(), static_cast<index_t>(D), x.data(), x.ld(), weight_.value(), stats.mean,
+                               stats.rstd, dy.data(), dy.ld(), dx.data(), dx.ld(), static_cast<T*>(nullptr),
+                               static_cast<T*>(nullptr), accumulate_dx);
+    }
+
     /// Statistics buffers owned by the module, grown to `rows`.
     norm_stats<T> own_stats(index_t rows) {
         saved_rows_ = rows;

@@ -71,6 +71,17 @@ public:
         }
     }
 
+    /// dx = dy·W only (or += when accumulate_dx): the parameters are read as constants and receive
+    /// no gradient (a detached use, as the attention-reconstruction loss makes of them).
+    template <view_of<T> DY, view_of<T> DX>
+    void backward_input(const DY& dy, const DX& dx, bool accumulate_dx = false) const {
+        static_assert(check_view<Out, DY, axis::out_features, Backend>());
+        static_assert(check_view<In, DX, axis::in_features, Backend>());
+        check_shapes(dx, dy, "dx", "dy");
+        K::gemm_nn(dy.rows(), in_, out_, dy.data(), dy.ld(), weight_.value(), in_, dx.data(), dx.ld(),
+                   accumulate_dx ? T(1) : T(0));
+    }
+
     index_t in() const { return in_; }
     index_t out() const { return out_; }
     const param<T>& weight() const { return weight_; }
