@@ -13,6 +13,7 @@
 #include "../core/parameters.hpp"
 #include "../core/shape.hpp"
 #include "../core/view.hpp"
+#include "../kernels/cpu/ops.hpp"  // the CPU kernels; other backends add their ops<> specialisation
 
 namespace mnemo {
 
