@@ -4,7 +4,8 @@
 //   core/     shapes, views, backend tags, parameters, buffers, rng, errors
 //   kernels/  cpu/ (Eigen GEMM, xsimd element-wise kernels, OpenMP)
 //   nn/       layers with hand-written backward passes
-//   train/    optimizers, clipping, schedules, safetensors checkpoints
+//   train/    optimizers, clipping, schedules, safetensors checkpoints, memory, losses
+//   models/   compressive_transformer (and Transformer-XL as its c_mem_len = 0 case)
 #include "core/activation.hpp"
 #include "core/backend.hpp"
 #include "core/buffer.hpp"
@@ -19,4 +20,14 @@
 #include "nn/feed_forward.hpp"
 #include "nn/layer_norm.hpp"
 #include "nn/linear.hpp"
+#include "nn/compression.hpp"
+#include "nn/no_compression.hpp"
+#include "nn/relative_attention.hpp"
 #include "nn/residual.hpp"
+#include "models/compressive_transformer.hpp"
+#include "train/attention_reconstruction.hpp"
+#include "train/clip.hpp"
+#include "train/compressive_memory.hpp"
+#include "train/optimizer.hpp"
+#include "train/safetensors.hpp"
+#include "train/schedule.hpp"

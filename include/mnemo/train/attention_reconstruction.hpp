@@ -1,0 +1,123 @@
+#pragma once
+// Attention-reconstruction loss of the Compressive Transformer (Rae et al., 2019, §3.2; labml's
+// AttentionReconstructionLoss; REFERENCE_NOTES 10). For one layer, with h this segment's layer input
+// and m the memory slots just compressed away (both constants):
+//
+//   hn = LN(h), mn = LN(m), cn = LN(f_c(m))              the layer's attention norm, parameters detached
+//   attn(x, y) = softmax_j( (x·Wqᵀ)·(y·Wkᵀ)ᵀ / sqrt(d_k) ) · (y·Wvᵀ + b_v)     per head; no positions,
+//                                                        no mask, no output projection; weights detached
+//   loss = mean( (attn(hn, cn) − attn(hn, mn))² )
+//
+// Its gradient reaches only f_c's parameters: every other parameter is read as a constant (the
+// backward passes here use backward_input, which never touches a parameter gradient). Nothing is
+// switched off in place, so the key/value weights keep training from the cross-entropy loss (the
+// defect of a published implementation that detached them in place for good).
+#include <cmath>
+
+#include "../core/buffer.hpp"
+#include "../nn/layer_norm.hpp"
+#include "../nn/relative_attention.hpp"
+
+namespace mnemo {
+
+template <class T, class Config, class Backend = cpu>
+class attention_reconstruction {
+    using K = ops<Backend>;
+    static constexpr std::size_t DM = Config::d_model;
+    static constexpr index_t D = index_t(Config::d_model), H = index_t(Config::heads), Dk = index_t(Config::d_head);
+
+public:
+    /// The loss of one layer; when `with_grad`, f_c's parameter gradients += d loss / d θ_c.
+    /// h [Q·B, D]; m [n_old·B, D] with n_old a multiple of the compression rate.
+    template <class Compression>
+    T compute(const layer_norm<T, DM, Backend>& norm, const relative_attention<T, Config, Backend>& attn,
+              Compression& compress, view<const T, DM, Backend> h, view<const T, DM, Backend> m, index_t batch,
+              bool with_grad) {
+        const index_t qb = h.rows(), mb = m.rows(), cb = Compression::compressed_rows(mb, batch);
+        const index_t q_len = qb / batch, m_len = mb / batch, c_len = cb / batch;
+        view<T, DM, Backend> cm(cm_.ensure(cb * D), cb);
+        compress.forward(m, batch, cm);
+
+        // Normalise with the layer's norm, parameters read as constants.
+        view<T, DM, Backend> hn(hn_.ensure(qb * D), qb), mn(mn_.ensure(mb * D), mb), cn(cn_.ensure(cb * D), cb);
+        norm_stats<T> st_h{st_h_.ensure(qb), st_h_r_.ensure(qb)}, st_m{st_m_.ensure(mb), st_m_r_.ensure(mb)},
+            st_c{st_c_.ensure(cb), st_c_r_.ensure(cb)};
+        norm.forward(h, hn, st_h);
+        norm.forward(m, mn, st_m);
+        norm.forward(cm, cn, st_c);
+
+        view<T, DM, Backend> q(q_.ensure(qb * D), qb), km(km_.ensure(mb * D), mb), vm(vm_.ensure(mb * D), mb),
+            kc(kc_.ensure(cb * D), cb), vc(vc_.ensure(cb * D), cb);
+        attn.query().forward(hn, q);
+        attn.key().forward(mn, km);
+        attn.value().forward(mn, vm);
+        attn.key().forward(cn, kc);
+        attn.value().forward(cn, vc);
+
+        view<T, DM, Backend> out_m(out_m_.ensure(qb * D), qb), out_c(out_c_.ensure(qb * D), qb);
+        T* a_m = a_m_.ensure(batch * H * q_len * m_len);
+        T* a_c = a_c_.ensure(batch * H * q_len * c_len);
+        plain_attention(q, km, vm, a_m, out_m, batch, q_len, m_len);
+        plain_attention(q, kc, vc, a_c, out_c, batch, q_len, c_len);
+
+        // MSE, summed in double in a fixed order; d out_c = 2 (out_c − out_m) / N.
+        const index_t n = qb * D;
+        double sum = 0;
+        T* diff = diff_.ensure(n);
+        for (index_t i = 0; i < n; ++i) {
+            diff[i] = out_c.data()[i] - out_m.data()[i];
+            sum += double(diff[i]) * double(diff[i]);
+        }
+        const T loss = T(sum / double(n));
+        if (!with_grad || !Compression::has_parameters) return loss;
+
+        const T g = T(2) / T(n);
+        for (index_t i = 0; i < n; ++i) diff[i] *= g;  // now d loss / d out_c
+        view<T, DM, Backend> dkc(dkc_.ensure(cb * D), cb), dvc(dvc_.ensure(cb * D), cb), dcn(dcn_.ensure(cb * D), cb),
+            dcm(dcm_.ensure(cb * D), cb);
+        T* da = da_.ensure(batch * H * q_len * c_len);
+        const T scale = T(1) / std::sqrt(T(Dk));
+        const index_t ld = batch * D;
+#pragma omp parallel for schedule(static) collapse(2)
+        for (index_t b = 0; b < batch; ++b) {
+            for (index_t hh = 0; hh < H; ++hh) {
+                const index_t off = b * D + hh * Dk, a_off = (b * H + hh) * q_len * c_len;
+                T* dab = da + a_off;
+                K::gemm_nt(q_len, c_len, Dk, diff + off, ld, vc.data() + off, ld, dab, c_len);      // dA
+                K::gemm_tn(c_len, Dk, q_len, a_c + a_off, c_len, diff + off, ld, dvc.data() + off, ld);  // dv
+                K::softmax_backward(q_len, c_len, a_c + a_off, c_len, dab, c_len, dab, c_len, scale);
+                K::gemm_tn(c_len, Dk, q_len, dab, c_len, q.data() + off, ld, dkc.data() + off, ld);  // dk
+            }
+        }
+        attn.key().backward_input(dkc, dcn);
+        attn.value().backward_input(dvc, dcn, true);
+        norm.backward_input(cm, dcn, dcm, st_c);
+        compress.backward(m, batch, dcm, view<T, DM, Backend>());
+        return loss;
+    }
+
+private:
+    // out [Q·B, D] = per (b, head) softmax(scale·q·kᵀ)·v over all n keys; a [B, H, Q, n] saved.
+    static void plain_attention(view<const T, DM, Backend> q, view<const T, DM, Backend> k,
+                                view<const T, DM, Backend> v, T* a, view<T, DM, Backend> out, index_t batch,
+                                index_t q_len, index_t n) {
+        const T scale = T(1) / std::sqrt(T(Dk));
+        const index_t ld = batch * D;
+#pragma omp parallel for schedule(static) collapse(2)
+        for (index_t b = 0; b < batch; ++b) {
+            for (index_t hh = 0; hh < H; ++hh) {
+                const index_t off = b * D + hh * Dk;
+                T* ab = a + (b * H + hh) * q_len * n;
+                K::gemm_nt(q_len, n, Dk, q.data() + off, ld, k.data() + off, ld, ab, n);
+                K::softmax_forward(q_len, n, ab, n, ab, n, scale);
+                K::gemm_nn(q_len, Dk, n, ab, n, v.data() + off, ld, out.data() + off, ld);
+            }
+        }
+    }
+
+    buffer<T> cm_, hn_, mn_, cn_, q_, km_, vm_, kc_, vc_, out_m_, out_c_, a_m_, a_c_, diff_;
+    buffer<T> st_h_, st_h_r_, st_m_, st_m_r_, st_c_, st_c_r_;
+    buffer<T> dkc_, dvc_, dcn_, dcm_, da_;
+};
+
+}  // namespace mnemo

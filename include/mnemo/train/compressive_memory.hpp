@@ -1,0 +1,155 @@
+#pragma once
+// Memory carried across segments by Transformer-XL and the Compressive Transformer (Rae et al., 2019),
+// managed exactly as the reference experiment does (REFERENCE_NOTES 8):
+//
+//   after each segment's forward pass, without gradient, for every layer l:
+//     mem ← [mem, new]                       new = this segment's input of layer l (stop-gradient)
+//     if |mem| > mem_len:
+//       n_old = ceil((|mem| − mem_len) / c) · c       the oldest n_old slots leave the memory
+//       c_mem ← [c_mem, f_c(oldest n_old slots)]        n_old / c new compressed slots
+//       c_mem ← its newest c_mem_len slots
+//
+// With c_mem_len = 0 the model is Transformer-XL: the memory keeps its newest mem_len slots and
+// nothing is compressed (labml's own code keeps every slot in that case; mnemo does not copy that).
+// The slots compressed on the last merge stay readable (compressed_away) for the
+// attention-reconstruction loss of that step.
+//
+// Layout per layer: sequence-major rows (slot·batch + b) × d_model, oldest slot first. Storage is
+// reserved up front, so merging allocates nothing in steady state.
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "../core/buffer.hpp"
+#include "../core/error.hpp"
+#include "../core/view.hpp"
+
+namespace mnemo {
+
+template <class T, std::size_t D, class Backend = cpu>
+class compressive_memory {
+public:
+    /// mem_len: uncompressed slots kept; c_mem_len: compressed slots kept (0: Transformer-XL);
+    /// rate: the compression rate c of the model.
+    compressive_memory(index_t n_layers, index_t mem_len, index_t c_mem_len, index_t rate)
+        : n_layers_(n_layers), mem_len_(mem_len), c_mem_len_(c_mem_len), rate_(rate), layers_(std::size_t(n_layers)) {
+        MNEMO_CHECK(n_layers >= 1, "memory: n_layers must be at least 1, got ", n_layers);
+        MNEMO_CHECK(mem_len >= 0, "memory: mem_len must be >= 0, got ", mem_len);
+        MNEMO_CHECK(c_mem_len >= 0, "memory: c_mem_len must be >= 0, got ", c_mem_len);
+        MNEMO_CHECK(rate >= 1, "memory: the compression rate must be at least 1, got ", rate);
+        MNEMO_CHECK(c_mem_len == 0 || mem_len >= rate - 1, "memory: mem_len = ", mem_len,
+                    " is too short for compression rate ", rate, ": the memory must hold at least rate − 1 = ",
+                    rate - 1, " slots so that whole groups of ", rate, " can be compressed");
+    }
+
+    /// Empties the memory for a batch of `batch` streams; reserves room for segments of up to
+    /// `max_segment` tokens so that merges never allocate.
+    void reset(index_t batch, index_t max_segment = 0) {
+        MNEMO_CHECK(batch >= 1, "memory: batch must be at least 1, got ", batch);
+        batch_ = batch;
+        mem_slots_ = c_mem_slots_ = away_slots_ = 0;
+        const index_t m = mem_len_ + max_segment + rate_;
+        const index_t cm = c_mem_len_ + (max_segment + mem_len_) / rate_ + 1;
+        for (auto& l : layers_) {
+            l.mem.reserve(std::size_t(m * batch * index_t(D)));
+            l.c_mem.reserve(std::size_t(cm * batch * index_t(D)));
+            l.away.reserve(std::size_t(m * batch * index_t(D)));
+            l.mem.clear();
+            l.c_mem.clear();
+            l.away.clear();
+        }
+    }
+
+    index_t n_layers() const { return n_layers_; }
+    index_t mem_len() const { return mem_len_; }
+    index_t c_mem_len() const { return c_mem_len_; }
+    index_t rate() const { return rate_; }
+    index_t batch() const { return batch_; }
+    bool compressive() const { return c_mem_len_ > 0; }
+    /// Slots now held (the same for every layer).
+    index_t mem_slots() const { return mem_slots_; }
+    index_t c_mem_slots() const { return c_mem_slots_; }
+    /// Slots compressed away by the last merge (0 when nothing was compressed).
+    index_t compressed_away_slots() const { return away_slots_; }
+
+    view<const T, D, Backend> mem(index_t l) const { return rows(layers_[std::size_t(l)].mem, mem_slots_); }
+    view<const T, D, Backend> c_mem(index_t l) const { return rows(layers_[std::size_t(l)].c_mem, c_mem_slots_); }
+    view<const T, D, Backend> compressed_away(index_t l) const {
+        return rows(layers_[std::size_t(l)].away, away_slots_);
+    }
+    /// Mutable access for loading a saved state (the trainer's resume).
+    T* mem_data(index_t l) { return layers_[std::size_t(l)].mem.data(); }
+    T* c_mem_data(index_t l) { return layers_[std::size_t(l)].c_mem.data(); }
+    /// Sets the slot counts (contents then written through mem_data / c_mem_data).
+    void resize(index_t mem_slots, index_t c_mem_slots) {
+        MNEMO_CHECK(batch_ >= 1, "memory: reset(batch) before resize");
+        MNEMO_CHECK(mem_slots >= 0 && mem_slots <= mem_len_ && c_mem_slots >= 0 && c_mem_slots <= c_mem_len_,
+                    "memory: ", mem_slots, " memory and ", c_mem_slots, " compressed slots do not fit mem_len ",
+                    mem_len_, " and c_mem_len ", c_mem_len_);
+        mem_slots_ = mem_slots;
+        c_mem_slots_ = c_mem_slots;
+        away_slots_ = 0;
+        for (auto& l : layers_) {
+            l.mem.resize(std::size_t(mem_slots * batch_ * index_t(D)));
+            l.c_mem.resize(std::size_t(c_mem_slots * batch_ * index_t(D)));
+        }
+    }
+
+    /// Appends each layer's new inputs (new_inputs(l): [Q·batch, D]) and compresses what overflows with
+    /// compress(l, slots_in [n_old·batch, D], slots_out [n_old/c·batch, D]). Returns n_old.
+    template <class NewInputs, class Compress>
+    index_t merge(NewInputs&& new_inputs, Compress&& compress) {
+        MNEMO_CHECK(batch_ >= 1, "memory: reset(batch) must be called before the first segment");
+        const index_t q_rows = new_inputs(index_t(0)).rows();
+        MNEMO_CHECK(q_rows % batch_ == 0, "memory: ", q_rows, " new rows are not a multiple of the batch ", batch_);
+        const index_t q = q_rows / batch_, len = mem_slots_ + q;
+        const index_t row = batch_ * index_t(D);  // elements per slot
+        index_t n_drop = 0, n_old = 0;
+        if (len > mem_len_) {
+            if (compressive()) n_old = (len - mem_len_ + rate_ - 1) / rate_ * rate_;
+            else n_drop = len - mem_len_;
+        }
+        const index_t n_new_c = n_old / rate_;
+        const index_t c_len = c_mem_slots_ + n_new_c, c_drop = std::max<index_t>(0, c_len - c_mem_len_);
+        for (index_t l = 0; l < n_layers_; ++l) {
+            auto& s = layers_[std::size_t(l)];
+            const auto x = new_inputs(l);
+            MNEMO_CHECK(x.rows() == q_rows, "memory: layer ", l, " has ", x.rows(), " new rows, layer 0 has ", q_rows);
+            s.mem.resize(std::size_t(len * row));
+            for (index_t r = 0; r < q_rows; ++r)
+                std::memcpy(s.mem.data() + (mem_slots_ * batch_ + r) * index_t(D), x.row(r), sizeof(T) * D);
+            if (n_old > 0) {
+                s.away.assign(s.mem.begin(), s.mem.begin() + n_old * row);
+                s.c_mem.resize(std::size_t(c_len * row));
+                compress(l, view<const T, D, Backend>(s.away.data(), n_old * batch_),
+                         view<T, D, Backend>(s.c_mem.data() + c_mem_slots_ * row, n_new_c * batch_));
+                drop_front(s.c_mem, c_drop * row);
+            }
+            drop_front(s.mem, (n_old + n_drop) * row);
+        }
+        mem_slots_ = len - n_old - n_drop;
+        c_mem_slots_ = c_len - c_drop;
+        away_slots_ = n_old;
+        return n_old;
+    }
+
+private:
+    struct layer_state {
+        aligned_vector<T> mem, c_mem, away;  // [slots·batch, D]
+    };
+
+    view<const T, D, Backend> rows(const aligned_vector<T>& v, index_t slots) const {
+        return view<const T, D, Backend>(v.data(), slots * batch_);
+    }
+    static void drop_front(aligned_vector<T>& v, index_t n) {
+        if (n <= 0) return;
+        std::memmove(v.data(), v.data() + n, sizeof(T) * (v.size() - std::size_t(n)));
+        v.resize(v.size() - std::size_t(n));
+    }
+
+    index_t n_layers_, mem_len_, c_mem_len_, rate_;
+    index_t batch_ = 0, mem_slots_ = 0, c_mem_slots_ = 0, away_slots_ = 0;
+    std::vector<layer_state> layers_;
+};
+
+}  // namespace mnemo
