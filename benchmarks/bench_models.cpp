@@ -1,0 +1,142 @@
+// Model benchmarks: a full training step in steady state (memories full: forward, cross-entropy and
+// reconstruction loss, backward, clipping, AdamW, memory merge and compression), a forward-only
+// segment, and streaming generation one token at a time with memory carried.
+//
+//   build/benchmarks/bench_models                                   all rows
+//   build/benchmarks/bench_models --benchmark_filter=train_A        one row
+//
+// Configurations (the performance issue's):
+//   A  the reference experiment: d_model 128, heads 4, d_ff 256, 6 layers, seq 8, mem 8, c_mem 128, c 2, batch 32, vocab 65
+//   B  d_model 256, heads 8, d_ff 1024, 6 layers, seq 128, mem 128, c_mem 128, c 4, batch 8, vocab 65
+//   C  d_model 512, heads 8, d_ff 2048, 6 layers, seq 256, mem 256, c_mem 256, c 4, batch 4, vocab 256
+// Counters: tokens/s, ms per step, and GFLOP/s of the step's dense arithmetic (counted below).
+#include <benchmark/benchmark.h>
+
+#include <chrono>
+#include <vector>
+
+#include <mnemo/mnemo.hpp>
+
+namespace {
+
+using mnemo::index_t;
+using mnemo::token_t;
+
+struct shape {
+    index_t vocab, n_layers, d_ff, seq, mem, c_mem, batch;
+};
+constexpr shape A{65, 6, 256, 8, 8, 128, 32};
+constexpr shape B{65, 6, 1024, 128, 128, 128, 8};
+constexpr shape C{256, 6, 2048, 256, 256, 256, 4};
+
+template <class Cfg>
+using model_t = mnemo::compressive_transformer<float, Cfg>;
+
+std::vector<token_t> tokens_for(const shape& s, std::uint64_t seed) {
+    mnemo::rng r(seed);
+    std::vector<token_t> t(std::size_t(s.seq * s.batch));
+    for (auto& x : t) x = token_t(r.next_u32() % std::uint32_t(s.vocab));
+    return t;
+}
+
+// Multiply-adds ×2 of one forward pass over a segment with full memory (GEMMs and attention only).
+template <class Cfg>
+double forward_flops(const shape& s) {
+    const double D = Cfg::d_model, rows = double(s.seq * s.batch), keys = double(s.seq + s.mem + s.c_mem);
+    const double kv_rows = keys * double(s.batch);
+    double per_layer = 2 * rows * D * D * 2          // query, output projections
+                       + 2 * kv_rows * D * D * 2     // key, value projections over memory + segment
+                       + 2 * rows * keys * D * 2     // scores and weighted values
+                       + 2 * rows * (keys + double(s.seq)) * D  // positional scores
+                       + 2 * rows * D * double(s.d_ff) * 2;     // feed-forward
+    return double(s.n_layers) * per_layer + 2 * rows * D * double(s.vocab);
+}
+
+// Brings the memory to its steady state (full memory and compressed memory).
+template <class Model>
+void fill_memory(Model& m, typename Model::memory_type& mem, const shape& s) {
+    const index_t steps = (s.mem + s.c_mem * index_t(Model::config::compression_rate)) / s.seq + 2;
+    for (index_t i = 0; i < steps; ++i) {
+        auto t = tokens_for(s, 1000 + std::uint64_t(i));
+        m.forward(t, s.batch, mem);
+        m.update_memory(mem);
+    }
+}
+
+template <class Cfg>
+void BM_train(benchmark::State& state, shape s) {
+    model_t<Cfg> model({.vocab = s.vocab, .n_layers = s.n_layers, .d_ff = s.d_ff});
+    model.reset_parameters(1);
+    auto mem = model.make_memory(s.mem, s.c_mem);
+    mem.reset(s.batch, s.seq);
+    fill_memory(model, mem, s);
+    auto& ps = model.parameters();
+    mnemo::adamw<float> opt(ps.size(), {.lr = 2.5e-4});
+    auto tokens = tokens_for(s, 1), targets = tokens_for(s, 2);
+    for (auto _ : state) {
+        ps.zero_grad();
+        auto l = model.train_segment(tokens, targets, s.batch, mem);
+        mnemo::clip_grad_norm(ps, 1.0);
+        opt.step(ps);
+        benchmark::DoNotOptimize(l);
+    }
+    const double tokens_per_step = double(s.seq * s.batch);
+    state.counters["tokens/s"] = benchmark::Counter(tokens_per_step, benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["ms/step"] = benchmark::Counter(1e-3, benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+    // forward + backward ≈ 3× the forward's arithmetic
+    state.counters["GFLOP/s"] = benchmark::Counter(3 * forward_flops<Cfg>(s) / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+template <class Cfg>
+void BM_forward(benchmark::State& state, shape s) {
+    model_t<Cfg> model({.vocab = s.vocab, .n_layers = s.n_layers, .d_ff = s.d_ff});
+    model.reset_parameters(1);
+    auto mem = model.make_memory(s.mem, s.c_mem);
+    mem.reset(s.batch, s.seq);
+    fill_memory(model, mem, s);
+    auto tokens = tokens_for(s, 1);
+    for (auto _ : state) benchmark::DoNotOptimize(model.forward(tokens, s.batch, mem).data());
+    state.counters["tokens/s"] = benchmark::Counter(double(s.seq * s.batch), benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["GFLOP/s"] = benchmark::Counter(forward_flops<Cfg>(s) / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// One token per stream per step, memory carried and merged (compressing every c tokens).
+template <class Cfg>
+void BM_generate(benchmark::State& state, shape s) {
+    model_t<Cfg> model({.vocab = s.vocab, .n_layers = s.n_layers, .d_ff = s.d_ff});
+    model.reset_parameters(1);
+    auto mem = model.make_memory(s.mem, s.c_mem);
+    mem.reset(1, s.seq);
+    shape one = s;
+    one.batch = 1;
+    fill_memory(model, mem, one);
+    std::vector<token_t> tok = {1};
+    for (auto _ : state) {
+        auto logits = model.forward(tok, 1, mem);
+        model.update_memory(mem);
+        tok[0] = token_t(std::max_element(logits.row(0), logits.row(0) + logits.cols()) - logits.row(0));
+    }
+    state.counters["tokens/s"] = benchmark::Counter(1, benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["ms/token"] = benchmark::Counter(1e-3, benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+}
+
+using cfg_a = mnemo::config<128, 4, 2>;
+using cfg_b = mnemo::config<256, 8, 4>;
+using cfg_c = mnemo::config<512, 8, 4>;
+
+}  // namespace
+
+// One named row per (kind, configuration): e.g. BM_train_A.
+#define MNEMO_MODEL_ROWS(NAME, CFG, SHAPE)                                                        \
+    void BM_train_##NAME(benchmark::State& st) { BM_train<CFG>(st, SHAPE); }                     \
+    void BM_forward_##NAME(benchmark::State& st) { BM_forward<CFG>(st, SHAPE); }                 \
+    void BM_generate_##NAME(benchmark::State& st) { BM_generate<CFG>(st, SHAPE); }               \
+    BENCHMARK(BM_train_##NAME)->Unit(benchmark::kMillisecond)->UseRealTime();                    \
+    BENCHMARK(BM_forward_##NAME)->Unit(benchmark::kMillisecond)->UseRealTime();                  \
+    BENCHMARK(BM_generate_##NAME)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+MNEMO_MODEL_ROWS(A, cfg_a, A)
+MNEMO_MODEL_ROWS(B, cfg_b, B)
+MNEMO_MODEL_ROWS(C, cfg_c, C)
+
+BENCHMARK_MAIN();
