@@ -1,0 +1,378 @@
+// mnemo_eval: evaluates a Compressive Transformer / Transformer-XL checkpoint over a token file and
+// writes the logits and losses, so that mnemo can be checked against a PyTorch model holding the same
+// weights. Its Python twin is tools/reference_eval.py (same flags, same output file); tools/
+// check_eval_parity.sh runs both on random checkpoints and compares.
+//
+//   mnemo_eval --model compressive|xl --checkpoint W.safetensors --tokens T.safetensors --out O.safetensors
+//              --seq-len N --mem-len M --c-mem-len K [--compression conv|max|mean] [--rate C] [--n-pos P]
+//
+// The sizes come from the checkpoint's shapes (labml's state_dict names):
+//   vocab, d_model   src_embed.weight [vocab, D]
+//   n_layers         the number of transformer.layers.<l> prefixes
+//   d_ff             transformer.layers.0.feed_forward.layer1.weight [d_ff, D]
+//   heads, P         transformer.layers.0.self_attn.key_pos_bias [2P, heads]
+//   rate             transformer.layers.0.compress.conv.weight [D, D, rate]; without conv weights
+//                    (max/mean pooling) --rate or "__metadata__" compression_rate
+// d_model, heads and the rate are compile-time in mnemo, so the program picks one of the
+// configurations compiled in from examples/model_zoo.hpp.
+//
+// Segment s (of n_segments = (n_tokens − 1) / N) reads tokens[:, s·N, s·N + N) and predicts
+// tokens[:, s·N + 1, s·N + N + 1); the memory is carried across segments and merged (compressing the
+// overflow) after each, exactly as in training. "--c-mem-len 0" is Transformer-XL for either model.
+//
+// O.safetensors: logits F32 [n_segments, batch, N, vocab], ce_loss F32 [n_segments] (mean over the
+// batch·N positions), ar_loss F32 [n_segments] (attention reconstruction; 0 where nothing was compressed).
+#include <algorithm>
+#include <charconv>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <iterator>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <mnemo/models/compressive_transformer.hpp>
+#include <mnemo/train/safetensors.hpp>
+
+#include "model_zoo.hpp"
+
+namespace {
+
+using mnemo::index_t;
+using mnemo::token_t;
+using mnemo::detail::fail;
+namespace ex = mnemo::examples;
+
+constexpr const char* usage =
+    "usage: mnemo_eval --model compressive|xl --checkpoint W.safetensors --tokens T.safetensors\n"
+    "                  --out O.safetensors --seq-len N --mem-len M --c-mem-len K\n"
+    "                  [--compression conv|max|mean] [--rate C] [--n-pos P]\n"
+    "\n"
+    "Evaluates a Compressive Transformer (or Transformer-XL: --model xl, or --c-mem-len 0) checkpoint\n"
+    "with labml's parameter names over consecutive segments of N tokens, carrying the memory, and\n"
+    "writes logits [n_segments, batch, N, vocab], ce_loss [n_segments] and ar_loss [n_segments] (F32).\n"
+    "\n"
+    "  --model          compressive or xl (xl needs --c-mem-len 0 and a checkpoint without compress.*)\n"
+    "  --checkpoint     weights (safetensors); the sizes are read from the tensor shapes\n"
+    "  --tokens         safetensors file with one I64 or I32 tensor 'tokens' [batch, n_tokens]\n"
+    "  --out            output safetensors file (written atomically)\n"
+    "  --seq-len        N, tokens per segment (>= 1)\n"
+    "  --mem-len        M, memory slots kept (>= 0)\n"
+    "  --c-mem-len      K, compressed memory slots kept (>= 0; 0 is Transformer-XL)\n"
+    "  --compression    conv (default; weights in the checkpoint), max or mean pooling\n"
+    "  --rate           compression rate for max/mean pooling when the checkpoint's __metadata__ has no\n"
+    "                   compression_rate (must agree with it, and with the conv kernel, where present)\n"
+    "  --n-pos          relative positions P; read from the checkpoint (key_pos_bias has 2P rows), and\n"
+    "                   an error if given and different\n"
+    "\n"
+    "Supported configurations (d_model, heads, compression rate; add more in examples/model_zoo.hpp):\n";
+
+struct options {
+    ex::model_kind model = ex::model_kind::compressive;
+    std::string checkpoint, tokens, out;
+    index_t seq_len = 0, mem_len = 0, c_mem_len = 0;
+    ex::compression_kind compression = ex::compression_kind::conv;
+    std::optional<index_t> rate, n_pos;
+};
+
+// A whole decimal integer (no sign other than '-', no trailing characters), else an error naming
+// where it came from.
+index_t parse_integer(const std::string& s, const std::string& what) {
+    index_t x = 0;
+    const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), x);
+    if (s.empty() || ec != std::errc() || end != s.data() + s.size())
+        fail("mnemo_eval: ", what, " expects an integer, got '", s, "'");
+    return x;
+}
+
+options parse(int argc, char** argv) {
+    // Every flag takes a value ("--flag value" or "--flag=value", as argparse accepts).
+    static const char* const known[] = {"--model", "--checkpoint", "--tokens",      "--out",  "--seq-len",
+                                        "--mem-len", "--c-mem-len", "--compression", "--rate", "--n-pos"};
+    std::map<std::string, std::string> given;
+    for (int i = 1; i < argc; ++i) {
+        std::string a = argv[i], v;
+        if (a == "--help" || a == "-h") {
+            std::printf("%s%s", usage, ex::supported_configs().c_str());
+            std::exit(0);
+        }
+        const auto eq = a.find('=');
+        const bool inline_value = a.rfind("--", 0) == 0 && eq != std::string::npos;
+        if (inline_value) {
+            v = a.substr(eq + 1);
+            a = a.substr(0, eq);
+        }
+        if (std::find_if(std::begin(known), std::end(known), [&](const char* k) { return a == k; }) == std::end(known))
+            fail("mnemo_eval: unknown option '", a, "' (try --help)");
+        if (!inline_value) {
+            if (i + 1 >= argc) fail("mnemo_eval: option ", a, " needs a value");
+            v = argv[++i];
+        }
+        if (!given.emplace(a, v).second) fail("mnemo_eval: option ", a, " is given twice");
+    }
+    for (const char* required : {"--model", "--checkpoint", "--tokens", "--out", "--seq-len", "--mem-len", "--c-mem-len"})
+        if (!given.count(required)) fail("mnemo_eval: missing required option ", required, " (try --help)");
+
+    options o;
+    o.model = ex::parse_model_kind(given["--model"]);
+    o.checkpoint = given["--checkpoint"];
+    o.tokens = given["--tokens"];
+    o.out = given["--out"];
+    o.seq_len = parse_integer(given["--seq-len"], "--seq-len");
+    o.mem_len = parse_integer(given["--mem-len"], "--mem-len");
+    o.c_mem_len = parse_integer(given["--c-mem-len"], "--c-mem-len");
+    if (given.count("--compression")) o.compression = ex::parse_compression_kind(given["--compression"]);
+    if (given.count("--rate")) o.rate = parse_integer(given["--rate"], "--rate");
+    if (given.count("--n-pos")) o.n_pos = parse_integer(given["--n-pos"], "--n-pos");
+    if (o.seq_len < 1) fail("mnemo_eval: --seq-len must be at least 1, got ", o.seq_len);
+    if (o.mem_len < 0) fail("mnemo_eval: --mem-len must be >= 0, got ", o.mem_len);
+    if (o.c_mem_len < 0) fail("mnemo_eval: --c-mem-len must be >= 0, got ", o.c_mem_len);
+    if (o.rate && *o.rate < 1) fail("mnemo_eval: --rate must be at least 1, got ", *o.rate);
+    if (o.n_pos && *o.n_pos < 1) fail("mnemo_eval: --n-pos must be at least 1, got ", *o.n_pos);
+    if (o.model == ex::model_kind::xl && o.c_mem_len != 0)
+        fail("mnemo_eval: --model xl is Transformer-XL: --c-mem-len must be 0, got ", o.c_mem_len);
+    return o;
+}
+
+// The sizes a checkpoint implies, read from its tensor shapes.
+struct model_sizes {
+    index_t vocab = 0, d_model = 0, n_layers = 0, d_ff = 0, heads = 0, n_pos = 0;
+    std::optional<index_t> conv_rate;  // kernel of transformer.layers.0.compress.conv.weight
+};
+
+const mnemo::safetensors_tensor& shaped(const mnemo::safetensors_file& f, const std::string& name, std::size_t rank) {
+    const mnemo::safetensors_tensor* t = f.find(name);
+    if (!t)
+        fail("mnemo_eval: checkpoint '", f.path(), "' has no tensor '", name,
+             "' (is it a Compressive Transformer / Transformer-XL checkpoint with labml's parameter names?)");
+    if (t->shape.size() != rank)
+        fail("mnemo_eval: tensor '", name, "' in '", f.path(), "' has shape ", mnemo::shape_string(t->shape),
+             ", expected rank ", rank);
+    return *t;
+}
+
+// The layer index of a name "transformer.layers.<l>.<rest>", or nothing.
+std::optional<index_t> layer_index(const std::string& name) {
+    static const std::string prefix = "transformer.layers.";
+    if (name.rfind(prefix, 0) != 0) return std::nullopt;
+    const char* first = name.data() + prefix.size();
+    const char* last = name.data() + name.size();
+    index_t l = 0;
+    const auto [end, ec] = std::from_chars(first, last, l);
+    if (ec != std::errc() || end == last || *end != '.') return std::nullopt;
+    return l;
+}
+
+model_sizes read_sizes(const mnemo::safetensors_file& f) {
+    model_sizes s;
+    const auto& embed = shaped(f, "src_embed.weight", 2);
+    s.vocab = index_t(embed.shape[0]);
+    s.d_model = index_t(embed.shape[1]);
+    for (const auto& t : f.tensors())
+        if (const auto l = layer_index(t.name)) s.n_layers = std::max(s.n_layers, *l + 1);
+    if (s.n_layers == 0) fail("mnemo_eval: checkpoint '", f.path(), "' has no transformer.layers.<l>.* tensors");
+    s.d_ff = index_t(shaped(f, "transformer.layers.0.feed_forward.layer1.weight", 2).shape[0]);
+    const auto& bias = shaped(f, "transformer.layers.0.self_attn.key_pos_bias", 2);
+    if (bias.shape[0] % 2 != 0)
+        fail("mnemo_eval: tensor 'transformer.layers.0.self_attn.key_pos_bias' in '", f.path(), "' has shape ",
+             mnemo::shape_string(bias.shape), ": its first dimension must be 2·n_pos (even)");
+    s.n_pos = index_t(bias.shape[0] / 2);
+    s.heads = index_t(bias.shape[1]);
+    if (f.contains("transformer.layers.0.compress.conv.weight"))
+        s.conv_rate = index_t(shaped(f, "transformer.layers.0.compress.conv.weight", 3).shape[2]);
+    return s;
+}
+
+// The compression rate: the conv kernel, --rate and the metadata must agree where present. A model
+// that never compresses (c_mem_len 0) needs none, so std::nullopt is allowed then.
+std::optional<index_t> resolve_rate(const options& o, const model_sizes& s, const mnemo::safetensors_file& f,
+                                    bool compresses) {
+    std::optional<index_t> meta;
+    if (const auto it = f.metadata().find("compression_rate"); it != f.metadata().end())
+        meta = parse_integer(it->second, "the checkpoint's __metadata__ compression_rate");
+    if (s.conv_rate && meta && *s.conv_rate != *meta)
+        fail("mnemo_eval: checkpoint '", f.path(), "': __metadata__ compression_rate ", *meta,
+             " disagrees with the conv kernel size ", *s.conv_rate);
+    if (o.rate && s.conv_rate && *o.rate != *s.conv_rate)
+        fail("mnemo_eval: --rate ", *o.rate, " disagrees with the checkpoint's conv kernel size ", *s.conv_rate);
+    if (o.rate && meta && *o.rate != *meta)
+        fail("mnemo_eval: --rate ", *o.rate, " disagrees with the checkpoint's __metadata__ compression_rate ", *meta);
+    const std::optional<index_t> rate = s.conv_rate ? s.conv_rate : o.rate ? o.rate : meta;
+    if (compresses && o.compression == ex::compression_kind::conv && !s.conv_rate)
+        fail("mnemo_eval: --compression conv needs transformer.layers.<l>.compress.conv.weight / .bias in '",
+             f.path(), "' (for a checkpoint without them pass --compression max or mean)");
+    if (compresses && !rate)
+        fail("mnemo_eval: --compression ", ex::name(o.compression), ": the compression rate is not in '", f.path(),
+             "' (no conv weights, no __metadata__ compression_rate); pass it with --rate C");
+    return rate;
+}
+
+// Conv compression weights the chosen model does not read (pooling, or Transformer-XL), as the
+// reference skips them: transformer.layers.<l>.compress.conv.weight / .bias.
+bool unused_conv_weight(const std::string& name) {
+    if (!layer_index(name)) return false;
+    const auto tail = name.substr(name.find('.', std::string("transformer.layers.").size()));
+    return tail == ".compress.conv.weight" || tail == ".compress.conv.bias";
+}
+
+// Tokens [batch, n_tokens] from the tokens file, checked against the vocabulary.
+struct token_matrix {
+    index_t batch = 0, length = 0;
+    std::vector<std::int64_t> ids;  // [batch, length] row-major
+};
+
+token_matrix read_tokens(const std::string& path, index_t vocab) {
+    const mnemo::safetensors_file f = mnemo::read_safetensors(path);
+    const mnemo::safetensors_tensor* t = f.find("tokens");
+    if (!t) fail("mnemo_eval: '", path, "' has no tensor named 'tokens' (expected I64 or I32 [batch, n_tokens])");
+    if (t->type != mnemo::dtype::i64 && t->type != mnemo::dtype::i32)
+        fail("mnemo_eval: tensor 'tokens' in '", path, "' has dtype ", mnemo::dtype_name(t->type),
+             "; expected I64 or I32");
+    if (t->shape.size() != 2)
+        fail("mnemo_eval: tensor 'tokens' in '", path, "' has shape ", mnemo::shape_string(t->shape),
+             "; expected [batch, n_tokens]");
+    token_matrix m;
+    m.batch = index_t(t->shape[0]);
+    m.length = index_t(t->shape[1]);
+    if (m.batch < 1) fail("mnemo_eval: tensor 'tokens' in '", path, "' has batch 0");
+    m.ids = f.to_vector<std::int64_t>("tokens");
+    for (std::size_t i = 0; i < m.ids.size(); ++i)
+        if (m.ids[i] < 0 || m.ids[i] >= vocab)
+            fail("mnemo_eval: token ", m.ids[i], " at [", index_t(i) / m.length, ", ", index_t(i) % m.length,
+                 "] of '", path, "' is outside the checkpoint's vocabulary [0, ", vocab, ")");
+    return m;
+}
+
+// Key positions each segment attends over, from the memory lengths the merges leave (mirrors
+// compressive_memory::merge with integers only), so that a run too long for the checkpoint's
+// positional tables fails before any work, naming the segment — exactly when the reference fails.
+void check_positions(const options& o, index_t rate, index_t n_pos, index_t n_segments) {
+    index_t mem = 0, c_mem = 0;
+    for (index_t s = 0; s < n_segments; ++s) {
+        const index_t keys = c_mem + mem + o.seq_len;
+        if (keys > n_pos)
+            fail("mnemo_eval: segment ", s, " attends over ", keys, " positions (compressed memory ", c_mem,
+                 " + memory ", mem, " + segment ", o.seq_len, ") but the checkpoint's positional tables cover n_pos = ",
+                 n_pos, "; shorten --seq-len, --mem-len or --c-mem-len");
+        const index_t m = mem + o.seq_len;
+        if (o.c_mem_len == 0) {
+            mem = std::min(m, o.mem_len);
+        } else if (m <= o.mem_len) {
+            mem = m;
+        } else {
+            const index_t old = (m - o.mem_len + rate - 1) / rate * rate;
+            mem = m - old;
+            c_mem = std::min(c_mem + old / rate, o.c_mem_len);
+        }
+    }
+}
+
+struct eval_result {
+    std::vector<float> logits;  // [n_segments, batch, N, vocab]
+    std::vector<float> ce, ar;  // [n_segments]
+};
+
+template <class Model>
+eval_result evaluate(const options& o, const model_sizes& sz, const mnemo::safetensors_file& ckpt,
+                     const token_matrix& tok, index_t n_segments) {
+    Model model(mnemo::compressive_options{.vocab = sz.vocab, .n_layers = sz.n_layers, .d_ff = sz.d_ff,
+                                           .n_pos = sz.n_pos});
+    auto& ps = model.parameters();
+    // Strict loading: every parameter present with its shape (load_parameters checks), and no tensor
+    // the model does not declare, except conv weights of a model built without them.
+    for (const auto& t : ckpt.tensors())
+        if (!ps.find(t.name) && !unused_conv_weight(t.name))
+            fail("mnemo_eval: unexpected tensor '", t.name, "' in '", ckpt.path(), "': the ",
+                 o.c_mem_len == 0 ? std::string("Transformer-XL")
+                                  : std::string(ex::name(o.compression)) + "-compression",
+                 " model with ", sz.n_layers, " layers has no parameter of that name");
+    mnemo::load_parameters(ckpt, ps, {.ignore_unexpected = true});
+
+    const index_t B = tok.batch, N = o.seq_len, V = sz.vocab;
+    auto memory = model.make_memory(o.mem_len, o.c_mem_len);
+    memory.reset(B, N);
+    eval_result r;
+    r.logits.resize(std::size_t(n_segments * B * N * V));
+    r.ce.resize(std::size_t(n_segments));
+    r.ar.resize(std::size_t(n_segments));
+    std::vector<token_t> inputs(std::size_t(N * B)), targets(std::size_t(N * B));  // [N·B] sequence-major
+    const index_t report_every = std::max<index_t>(1, n_segments / 10);
+    const auto t0 = std::chrono::steady_clock::now();
+    for (index_t s = 0; s < n_segments; ++s) {
+        // tokens is [batch, n_tokens] (batch-major); mnemo's rows are position·B + b.
+        for (index_t q = 0; q < N; ++q)
+            for (index_t b = 0; b < B; ++b) {
+                const std::int64_t* row = tok.ids.data() + b * tok.length + s * N;
+                inputs[std::size_t(q * B + b)] = token_t(row[q]);
+                targets[std::size_t(q * B + b)] = token_t(row[q + 1]);
+            }
+        const mnemo::segment_losses losses = model.eval_segment(inputs, targets, B, memory);
+        const auto logits = model.logits();  // [N·B, V]
+        for (index_t q = 0; q < N; ++q)
+            for (index_t b = 0; b < B; ++b) {
+                const float* src = logits.row(q * B + b);
+                std::copy(src, src + V, r.logits.begin() + ((s * B + b) * N + q) * V);
+            }
+        r.ce[std::size_t(s)] = float(losses.ce);
+        r.ar[std::size_t(s)] = float(losses.ar);
+        if (n_segments >= 20 && ((s + 1) % report_every == 0 || s + 1 == n_segments)) {
+            const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+            std::fprintf(stderr, "mnemo_eval: segment %lld/%lld (%.1f s)\n", static_cast<long long>(s + 1),
+                         static_cast<long long>(n_segments), secs);
+        }
+    }
+    return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+    const options o = parse(argc, argv);
+    const mnemo::safetensors_file ckpt = mnemo::read_safetensors(o.checkpoint);
+    const model_sizes sz = read_sizes(ckpt);
+    if (o.n_pos && *o.n_pos != sz.n_pos)
+        fail("mnemo_eval: --n-pos ", *o.n_pos, " disagrees with the checkpoint '", o.checkpoint,
+             "', whose positional tables have 2·", sz.n_pos, " rows");
+    if (o.model == ex::model_kind::xl && sz.conv_rate)
+        // The reference accepts this too: Transformer-XL never compresses, so the conv weights go unread.
+        std::fprintf(stderr, "mnemo_eval: note: --model xl ignores the checkpoint's compress.conv.* tensors\n");
+    const bool compresses = o.c_mem_len > 0;
+    const std::optional<index_t> rate = resolve_rate(o, sz, ckpt, compresses);
+    // A run that never compresses is Transformer-XL whatever the checkpoint holds: build the model
+    // without a compression function, so it only needs d_model and heads to be compiled in.
+    const ex::model_kind kind = compresses ? ex::model_kind::compressive : ex::model_kind::xl;
+    // An unsupported configuration fails here, before the tokens are read, listing what is compiled in.
+    ex::with_model(sz.d_model, sz.heads, rate.value_or(1), kind, o.compression, []<class>() {});
+
+    const token_matrix tok = read_tokens(o.tokens, sz.vocab);
+    const index_t n_segments = (tok.length - 1) / o.seq_len;
+    if (n_segments < 1)
+        fail("mnemo_eval: '", o.tokens, "' has ", tok.length, " tokens per stream, which do not make one segment of ",
+             o.seq_len, " plus its target (need at least ", o.seq_len + 1, ")");
+    if (compresses && o.mem_len < *rate - 1)
+        fail("mnemo_eval: --mem-len ", o.mem_len, " is below compression rate − 1 = ", *rate - 1,
+             ": the memory must hold whole groups of ", *rate, " to compress");
+    check_positions(o, rate.value_or(1), sz.n_pos, n_segments);
+
+    const eval_result r = ex::with_model(sz.d_model, sz.heads, rate.value_or(1), kind, o.compression,
+                                         [&]<class Model>() { return evaluate<Model>(o, sz, ckpt, tok, n_segments); });
+
+    const index_t S = n_segments, B = tok.batch, N = o.seq_len, V = sz.vocab;
+    mnemo::safetensors_writer(o.out)
+        .add("logits", {S, B, N, V}, r.logits.data(), mnemo::dtype::f32)
+        .add("ce_loss", {S}, r.ce.data(), mnemo::dtype::f32)
+        .add("ar_loss", {S}, r.ar.data(), mnemo::dtype::f32)
+        .commit();
+    // The same lines as tools/reference_eval.py, so the two can be diffed.
+    for (index_t s = 0; s < S; ++s)
+        std::printf("segment %lld: ce %.6f ar %.6g\n", static_cast<long long>(s), double(r.ce[std::size_t(s)]),
+                    double(r.ar[std::size_t(s)]));
+    return 0;
+} catch (const std::exception& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 1;
+}
