@@ -11,6 +11,26 @@
 
 namespace mnemo::testing {
 
+/// Every parameter ~ U(lo, hi).
+template <class T>
+void randomize_parameters(mnemo::parameter_set<T>& ps, std::uint64_t seed, double lo = -1, double hi = 1) {
+    mnemo::rng r(seed);
+    for (const auto& e : ps.entries())
+        for (index_t i = 0; i < e.size; ++i) ps.values()[e.offset + i] = static_cast<T>(r.uniform(lo, hi));
+}
+
+/// A model's parameters ~ U(−scale, scale), layer-norm weights ~ 1 + U(−scale, scale), so every path
+/// (positional tables included) carries signal and the norms stay well conditioned.
+template <class T>
+void randomize_model(mnemo::parameter_set<T>& ps, std::uint64_t seed, double scale = 0.5) {
+    mnemo::rng r(seed);
+    for (const auto& e : ps.entries()) {
+        const bool norm_weight = e.name.find("norm") != std::string::npos && e.name.ends_with(".weight");
+        for (index_t i = 0; i < e.size; ++i)
+            ps.values()[e.offset + i] = static_cast<T>((norm_weight ? 1.0 : 0.0) + r.uniform(-scale, scale));
+    }
+}
+
 /// One buffer to perturb, and the analytic gradient of the loss with respect to it.
 struct grad_target {
     std::string name;

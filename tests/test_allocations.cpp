@@ -2,41 +2,12 @@
 // shape (the steady state). Counts every operator new in this binary while a window is open.
 #include <doctest/doctest.h>
 
-#include <atomic>
-#include <cstdlib>
-#include <new>
 #include <vector>
 
 #include <mnemo/mnemo.hpp>
 
+#include "allocation_counter.hpp"
 #include "testing.hpp"
-
-// The replacements below pair malloc/aligned_alloc with free; g++ cannot see that through the
-// replaced operators and warns.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-#endif
-
-namespace {
-std::atomic<bool> counting{false};
-std::atomic<long> allocations{0};
-}  // namespace
-
-void* operator new(std::size_t n) {
-    if (counting.load(std::memory_order_relaxed)) allocations.fetch_add(1, std::memory_order_relaxed);
-    if (void* p = std::malloc(n ? n : 1)) return p;
-    throw std::bad_alloc();
-}
-void* operator new(std::size_t n, std::align_val_t a) {
-    if (counting.load(std::memory_order_relaxed)) allocations.fetch_add(1, std::memory_order_relaxed);
-    const std::size_t al = static_cast<std::size_t>(a);
-    if (void* p = std::aligned_alloc(al, (n + al - 1) / al * al)) return p;
-    throw std::bad_alloc();
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
 
 TEST_CASE("layers: a steady-state forward and backward performs no heap allocation") {
     using mnemo::view;
@@ -74,15 +45,10 @@ TEST_CASE("layers: a steady-state forward and backward performs no heap allocati
         emb.backward(tokens, V(dx.data(), rows));
     };
     step();  // warm-up: buffers grow to the batch shape here
-    allocations = 0;
-    counting = true;
-    for (int i = 0; i < 3; ++i) step();
-    counting = false;
-    CHECK(allocations.load() == 0);
+    CHECK(mnemo::testing::count_allocations([&] {
+              for (int i = 0; i < 3; ++i) step();
+          }) == 0);
 
-    // The counter works: a vector growing inside the window is seen.
-    counting = true;
-    std::vector<float> grow(1000);
-    counting = false;
-    CHECK(allocations.load() >= 1);
+    // The counter works: a vector allocated inside the window is seen.
+    CHECK(mnemo::testing::count_allocations([] { std::vector<float> grow(1000); }) >= 1);
 }

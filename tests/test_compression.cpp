@@ -19,34 +19,8 @@
 #include <mnemo/mnemo.hpp>
 #include <mnemo/nn/compression.hpp>
 
+#include "allocation_counter.hpp"
 #include "gradcheck.hpp"
-
-// Every operator new in this binary is counted while a window is open (the steady-state test).
-// The replacements pair malloc/aligned_alloc with free; g++ cannot see that and warns.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-#endif
-
-namespace {
-std::atomic<bool> counting{false};
-std::atomic<long> allocations{0};
-}  // namespace
-
-void* operator new(std::size_t n) {
-    if (counting.load(std::memory_order_relaxed)) allocations.fetch_add(1, std::memory_order_relaxed);
-    if (void* p = std::malloc(n ? n : 1)) return p;
-    throw std::bad_alloc();
-}
-void* operator new(std::size_t n, std::align_val_t a) {
-    if (counting.load(std::memory_order_relaxed)) allocations.fetch_add(1, std::memory_order_relaxed);
-    const std::size_t al = static_cast<std::size_t>(a);
-    if (void* p = std::aligned_alloc(al, (n + al - 1) / al * al)) return p;
-    throw std::bad_alloc();
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
 
 using mnemo::index_t;
 using mnemo::view;
@@ -55,6 +29,7 @@ using mnemo::testing::check_gradients;
 using mnemo::testing::parameter_targets;
 using mnemo::testing::project;
 using mnemo::testing::random_vector;
+using mnemo::testing::randomize_parameters;
 
 namespace {
 
@@ -102,12 +77,6 @@ std::vector<double> reference_pool(const std::vector<double>& mem, index_t batch
     return out;
 }
 
-// Fills every parameter with U(lo, hi).
-void randomize(mnemo::parameter_set<double>& ps, std::uint64_t seed, double lo = -1, double hi = 1) {
-    mnemo::rng r(seed);
-    for (const auto& e : ps.entries())
-        for (index_t i = 0; i < e.size; ++i) ps.values()[e.offset + i] = r.uniform(lo, hi);
-}
 
 // Pairwise distinct values, at least 0.05 apart, in random order: max pooling is differentiable there
 // and finite differences (eps 1e-6) never cross a tie.
@@ -145,7 +114,7 @@ void check_conv(index_t batch, index_t n) {
     mnemo::parameter_set<double> ps;
     mnemo::conv_compression<double, D, Rate> comp(ps, "transformer.layers.0.compress");
     ps.allocate();
-    randomize(ps, 1 + D + Rate);
+    randomize_parameters(ps, 1 + D + Rate);
     const double* w = ps.values() + ps.find("transformer.layers.0.compress.conv.weight")->offset;
     const double* bias = ps.values() + ps.find("transformer.layers.0.compress.conv.bias")->offset;
 
@@ -314,7 +283,7 @@ TEST_CASE("conv_compression: rate 1 is the per-slot linear map x·Wᵀ + b") {
     mnemo::conv_compression<double, D, 1> comp(ps, "compress");
     mnemo::linear<double, D, D> lin(ps, "linear");
     ps.allocate();
-    randomize(ps, 21);
+    randomize_parameters(ps, 21);
     std::memcpy(lin.weight().value(), comp.weight().value(), sizeof(double) * D * D);
     std::memcpy(lin.bias().value(), comp.bias().value(), sizeof(double) * D);
     auto mem = random_vector<double>(rows * D, 22);
@@ -528,7 +497,7 @@ TEST_CASE("compression: an empty memory gives an empty output and zero parameter
     mnemo::parameter_set<double> ps;
     mnemo::conv_compression<double, D, 2> conv(ps, "c");
     ps.allocate();
-    randomize(ps, 51);
+    randomize_parameters(ps, 51);
     conv.forward(view<const double, D>(nullptr, 0), 2, view<double, D>(nullptr, 0));
     conv.backward(view<const double, D>(nullptr, 0), 2, view<const double, D>(nullptr, 0), view<double, D>());
     for (index_t i = 0; i < ps.size(); ++i) CHECK(ps.grads()[i] == 0.0);
@@ -560,10 +529,8 @@ TEST_CASE("compression: a steady-state forward and backward performs no heap all
         mean_pool.backward(m, batch, g, dm);
     };
     step(n);  // buffers grow to the largest shape
-    allocations = 0;
-    counting = true;
-    step(n);
-    step(n - 2);  // a shorter memory reuses the same buffers
-    counting = false;
-    CHECK(allocations.load() == 0);
+    CHECK(mnemo::testing::count_allocations([&] {
+              step(n);
+              step(n - 2);  // a shorter memory reuses the same buffers
+          }) == 0);
 }

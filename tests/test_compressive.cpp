@@ -18,17 +18,10 @@ using mnemo::testing::check_gradients;
 using mnemo::testing::parameter_targets;
 using mnemo::testing::project;
 using mnemo::testing::random_vector;
+using mnemo::testing::randomize_model;
 
 namespace {
 
-void randomize(mnemo::parameter_set<double>& ps, std::uint64_t seed, double scale = 0.5) {
-    mnemo::rng r(seed);
-    for (const auto& e : ps.entries()) {
-        const bool norm_weight = e.name.find("norm") != std::string::npos && e.name.ends_with(".weight");
-        for (index_t i = 0; i < e.size; ++i)
-            ps.values()[e.offset + i] = (norm_weight ? 1.0 : 0.0) + r.uniform(-scale, scale);
-    }
-}
 
 std::vector<token_t> random_tokens(index_t n, index_t vocab, std::uint64_t seed) {
     mnemo::rng r(seed);
@@ -126,7 +119,7 @@ TEST_CASE("compressive_layer: backward matches finite differences with memory an
     mnemo::parameter_set<double> ps;
     mnemo::compressive_layer<double, tiny, mnemo::conv_compression> layer(ps, "layer", 5, P);
     ps.allocate();
-    randomize(ps, 1);
+    randomize_model(ps, 1);
     auto x = random_vector<double>(Q * B * D, 2);
     auto mem = random_vector<double>(M * B * D, 3);
     auto cmem = random_vector<double>(C * B * D, 4);
@@ -150,7 +143,7 @@ TEST_CASE("compressive_layer: backward matches finite differences with memory an
 TEST_CASE("compressive_transformer: the CE gradient of a segment with memory matches finite differences") {
     const index_t B = 2, Q = 3, vocab = 7;
     model_t model({.vocab = vocab, .n_layers = 2, .d_ff = 6, .n_pos = 16});
-    randomize(model.parameters(), 11);
+    randomize_model(model.parameters(), 11);
     auto mem = model.make_memory(/*mem_len=*/3, /*c_mem_len=*/2);
     mem.reset(B, Q);
     // Two segments fill the memory and compress; the checked segment reads both kinds of memory.
@@ -179,7 +172,7 @@ TEST_CASE("compressive_transformer: the CE gradient of a segment with memory mat
 TEST_CASE("attention reconstruction: only the compression function gets gradient, and it matches finite differences") {
     const index_t B = 2, Q = 2, vocab = 5;
     model_t model({.vocab = vocab, .n_layers = 2, .d_ff = 6, .n_pos = 16});
-    randomize(model.parameters(), 41);
+    randomize_model(model.parameters(), 41);
     auto mem = model.make_memory(2, 4);
     mem.reset(B, Q);
     auto t0 = random_tokens(Q * B, vocab, 42), t1 = random_tokens(Q * B, vocab, 43);

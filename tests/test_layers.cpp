@@ -17,15 +17,10 @@ using mnemo::testing::grad_target;
 using mnemo::testing::parameter_targets;
 using mnemo::testing::project;
 using mnemo::testing::random_vector;
+using mnemo::testing::randomize_parameters;
 
 namespace {
 
-// Fills every parameter with U(lo, hi).
-void randomize(mnemo::parameter_set<double>& ps, std::uint64_t seed, double lo = -1, double hi = 1) {
-    mnemo::rng r(seed);
-    for (const auto& e : ps.entries())
-        for (index_t i = 0; i < e.size; ++i) ps.values()[e.offset + i] = r.uniform(lo, hi);
-}
 
 // Runs backward twice around pre-filled gradients: the result must be prefill + the clean gradient.
 void check_accumulates(mnemo::parameter_set<double>& ps, const std::function<void()>& backward) {
@@ -49,7 +44,7 @@ TEST_CASE("linear: backward matches finite differences (with and without bias)")
         mnemo::parameter_set<double> ps;
         mnemo::linear<double, In, Out> lin(ps, "proj", bias);
         ps.allocate();
-        randomize(ps, 1);
+        randomize_parameters(ps, 1);
         CHECK(ps.entries().size() == (bias ? 2u : 1u));
         CHECK(ps.entries()[0].name == "proj.weight");
         CHECK(ps.entries()[0].shape == std::vector<index_t>{Out, In});
@@ -81,7 +76,7 @@ TEST_CASE("linear: a dynamic output extent (a vocabulary) works and is checked a
     mnemo::parameter_set<double> ps;
     mnemo::linear<double, In, mnemo::dynamic> gen(ps, "generator", In, vocab, true);
     ps.allocate();
-    randomize(ps, 5);
+    randomize_parameters(ps, 5);
     auto x = random_vector<double>(rows * In, 6);
     auto r = random_vector<double>(rows * vocab, 7);
     std::vector<double> y(rows * vocab), dx(rows * In);
@@ -109,7 +104,7 @@ TEST_CASE("linear: backward with accumulate_dx adds into dx") {
     mnemo::parameter_set<double> ps;
     mnemo::linear<double, In, Out> lin(ps, "l");
     ps.allocate();
-    randomize(ps, 8);
+    randomize_parameters(ps, 8);
     auto x = random_vector<double>(4 * In, 9);
     auto dy = random_vector<double>(4 * Out, 10);
     std::vector<double> dx(4 * In, 0.0);
@@ -126,7 +121,7 @@ TEST_CASE("layer_norm: backward matches finite differences") {
     mnemo::parameter_set<double> ps;
     mnemo::layer_norm<double, D> ln(ps, "norm");
     ps.allocate();
-    randomize(ps, 11, 0.5, 1.5);
+    randomize_parameters(ps, 11, 0.5, 1.5);
     auto x = random_vector<double>(rows * D, 12, -2, 2);
     auto r = random_vector<double>(rows * D, 13);
     std::vector<double> y(rows * D), dx(rows * D);
@@ -171,7 +166,7 @@ TEST_CASE("embedding: backward matches finite differences with repeated tokens")
     mnemo::parameter_set<double> ps;
     mnemo::embedding<double, D> emb(ps, "src_embed", vocab);
     ps.allocate();
-    randomize(ps, 15);
+    randomize_parameters(ps, 15);
     std::vector<mnemo::token_t> tokens = {3, 1, 3, 0, 4, 3, 1};
     const index_t rows = static_cast<index_t>(tokens.size());
     auto r = random_vector<double>(rows * D, 16);
@@ -207,7 +202,7 @@ TEST_CASE_TEMPLATE("feed_forward: backward matches finite differences", Act, mne
     mnemo::parameter_set<double> ps;
     mnemo::feed_forward<double, D, Dff, Act> ff(ps, "feed_forward");
     ps.allocate();
-    randomize(ps, 17);
+    randomize_parameters(ps, 17);
     CHECK(ps.find("feed_forward.layer1.weight") != nullptr);
     CHECK(ps.find("feed_forward.layer2.bias") != nullptr);
     auto x = random_vector<double>(rows * D, 18);
@@ -238,7 +233,7 @@ TEST_CASE("residual: a pre-LN block (x + FFN(LN(x))) matches finite differences"
     mnemo::layer_norm<double, D> ln(ps, "norm_ff");
     mnemo::feed_forward<double, D, Dff> ff(ps, "feed_forward");
     ps.allocate();
-    randomize(ps, 20);
+    randomize_parameters(ps, 20);
     auto x = random_vector<double>(rows * D, 21);
     auto r = random_vector<double>(rows * D, 22);
     std::vector<double> z(rows * D), f(rows * D), y(rows * D), dx(rows * D), df(rows * D), dz(rows * D);
@@ -283,7 +278,7 @@ TEST_CASE("feed_forward: a runtime d_ff (dynamic extent) matches finite differen
     mnemo::parameter_set<double> ps;
     mnemo::feed_forward<double, D, mnemo::dynamic> ff(ps, "feed_forward", d_ff);
     ps.allocate();
-    randomize(ps, 23);
+    randomize_parameters(ps, 23);
     CHECK(ps.find("feed_forward.layer1.weight")->shape == std::vector<index_t>{d_ff, index_t(D)});
     auto x = random_vector<double>(rows * D, 24);
     auto r = random_vector<double>(rows * D, 25);
@@ -307,7 +302,7 @@ TEST_CASE("linear and layer_norm: backward_input gives dx and leaves parameter g
     mnemo::linear<double, D, D> lin(ps, "lin");
     mnemo::layer_norm<double, D> ln(ps, "ln");
     ps.allocate();
-    randomize(ps, 26);
+    randomize_parameters(ps, 26);
     auto x = random_vector<double>(rows * D, 27);
     auto dy = random_vector<double>(rows * D, 28);
     std::vector<double> y(rows * D), dx_full(rows * D), dx_input(rows * D), mean(rows), rstd(rows);

@@ -18,17 +18,13 @@ using mnemo::testing::check_gradients;
 using mnemo::testing::parameter_targets;
 using mnemo::testing::project;
 using mnemo::testing::random_vector;
+using mnemo::testing::randomize_parameters;
 
 namespace {
 
 using cfg = mnemo::config<8, 2>;
 constexpr index_t D = 8, H = 2, Dk = 4;
 
-void randomize(mnemo::parameter_set<double>& ps, std::uint64_t seed) {
-    mnemo::rng r(seed);
-    for (const auto& e : ps.entries())
-        for (index_t i = 0; i < e.size; ++i) ps.values()[e.offset + i] = r.uniform(-0.8, 0.8);
-}
 
 // Naive forward: out [Q·B, D] from zq [Q·B, D], zkv [K·B, D].
 std::vector<double> naive(mnemo::parameter_set<double>& ps, const std::string& n, const std::vector<double>& zq,
@@ -85,7 +81,7 @@ TEST_CASE("relative_attention: forward matches the defining formula, with and wi
             mnemo::parameter_set<double> ps;
             mnemo::relative_attention<double, cfg> attn(ps, "self_attn", P);
             ps.allocate();
-            randomize(ps, 10 + mem + B);
+            randomize_parameters(ps, 10 + mem + B, -0.8, 0.8);
             auto zkv = random_vector<double>(Kn * B * D, 20 + mem);
             std::vector<double> zq(zkv.end() - Q * B * D, zkv.end());  // queries: the segment's rows
             std::vector<double> out(Q * B * D);
@@ -118,7 +114,7 @@ TEST_CASE("relative_attention: backward matches finite differences") {
     mnemo::parameter_set<double> ps;
     mnemo::relative_attention<double, cfg> attn(ps, "self_attn", P);
     ps.allocate();
-    randomize(ps, 31);
+    randomize_parameters(ps, 31, -0.8, 0.8);
     auto zq = random_vector<double>(Q * B * D, 32);
     auto zkv = random_vector<double>(Kn * B * D, 33);
     auto r = random_vector<double>(Q * B * D, 34);
