@@ -17,18 +17,11 @@ using mnemo::testing::check_close;
 using mnemo::testing::check_gradients;
 using mnemo::testing::parameter_targets;
 using mnemo::testing::project;
+using mnemo::testing::random_tokens;
 using mnemo::testing::random_vector;
 using mnemo::testing::randomize_model;
 
 namespace {
-
-
-std::vector<token_t> random_tokens(index_t n, index_t vocab, std::uint64_t seed) {
-    mnemo::rng r(seed);
-    std::vector<token_t> t(static_cast<std::size_t>(n));
-    for (auto& x : t) x = static_cast<token_t>(r.next_u32() % static_cast<std::uint32_t>(vocab));
-    return t;
-}
 
 // A memory whose slots are filled with an identifiable value per (layer, slot, batch, feature).
 double slot_value(index_t l, index_t slot, index_t b, index_t f) { return 1000.0 * l + 10.0 * slot + b + 0.01 * f; }

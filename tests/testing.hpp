@@ -20,6 +20,14 @@ std::vector<T> random_vector(index_t n, std::uint64_t seed, double lo = -1.0, do
     return v;
 }
 
+/// n token ids uniform in [0, vocab).
+inline std::vector<std::int32_t> random_tokens(index_t n, index_t vocab, std::uint64_t seed) {
+    mnemo::rng r(seed);
+    std::vector<std::int32_t> t(static_cast<std::size_t>(n));
+    for (auto& x : t) x = static_cast<std::int32_t>(r.next_u32() % static_cast<std::uint32_t>(vocab));
+    return t;
+}
+
 /// Checks |a − b| <= atol + rtol·|b| element-wise; on failure names the tensor, the worst index and values.
 template <class T, class U>
 void check_close(const std::string& name, const T* a, const U* b, index_t n, double atol, double rtol) {

@@ -5,7 +5,8 @@
 //   kernels/  cpu/ (Eigen GEMM, xsimd element-wise kernels, OpenMP)
 //   nn/       layers with hand-written backward passes
 //   train/    optimizers, clipping, schedules, safetensors checkpoints, memory, losses
-//   models/   compressive_transformer (and Transformer-XL as its c_mem_len = 0 case)
+//   models/   compressive_transformer (and Transformer-XL as its c_mem_len = 0 case),
+//             feedback_transformer (plain and shared-KV)
 #include "core/activation.hpp"
 #include "core/backend.hpp"
 #include "core/buffer.hpp"
@@ -17,6 +18,7 @@
 #include "core/view.hpp"
 #include "kernels/cpu/ops.hpp"
 #include "nn/embedding.hpp"
+#include "nn/feedback_attention.hpp"
 #include "nn/feed_forward.hpp"
 #include "nn/layer_norm.hpp"
 #include "nn/linear.hpp"
@@ -25,6 +27,7 @@
 #include "nn/relative_attention.hpp"
 #include "nn/residual.hpp"
 #include "models/compressive_transformer.hpp"
+#include "models/feedback_transformer.hpp"
 #include "train/attention_reconstruction.hpp"
 #include "train/clip.hpp"
 #include "train/compressive_memory.hpp"

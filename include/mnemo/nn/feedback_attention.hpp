@@ -1,0 +1,271 @@
+#pragma once
+// Feedback attention (Fan et al., 2020, "Addressing Some Limitations of Transformers with Feedback
+// Memory"), as labml's FeedbackAttention (labml_nn/transformers/feedback/__init__.py): at step t ONE
+// query per batch row attends to the t memory slots of the earlier steps 0 … t − 1 (never to itself;
+// no mask). Per head, d_k = d_model / heads:
+//
+//   q        = query(z)                                     z [B, D], `<name>.query.linear.weight`, no bias
+//   score_j  = ( (q + u)·k_j + q·R[P − (t − j)] + S[P − (t − j)] ) / sqrt(d_k)      j = 0 … t − 1
+//   a        = softmax_j(score)
+//   out      = output( concat_heads( Σ_j a_j · v_j ) )      `<name>.output.{weight,bias}`
+//
+//   R  `<name>.key_pos_embeddings` [P, heads, d_k]   S  `<name>.key_pos_bias` [P, heads]
+//   u  `<name>.query_pos_bias` [heads, d_k]          (all three start at zero, as the reference)
+//
+// The tables have P rows (not 2P as in Transformer-XL) and are indexed from the most recent slot
+// backwards: slot j at step t reads row P − (t − j), so the window is rows [P − t, P) and row P never
+// exists (REFERENCE_NOTES 14). t > P is an error. The positional term uses q without u.
+//
+// Keys and values arrive already projected (the model caches them once per slot) as memory_slots: any
+// layout with D contiguous features per (slot, batch row), e.g. sequence-major [t, B, D] or batch-major
+// [B, capacity, D] (the model's: each batch row's slots are consecutive, so a head's keys are read with
+// a stride of D rather than B·D). The attention itself has no key/value parameters.
+//
+// Backward (hand-written; nn/module.hpp's contract): d_keys and d_values are ACCUMULATED (they collect
+// the contributions of every later step), R, S, u and the weight gradients +=, d_z assigned (or +=
+// on request). The model splits backward in two so that the weight-gradient GEMMs run over many steps
+// at once: backward_step (everything that must happen per step, d_q saved by the caller) and
+// backward_weights (W_q, W_o, b_o over any number of rows). backward() is both, for one step.
+#include <cmath>
+#include <string>
+#include <type_traits>
+
+#include "../core/buffer.hpp"
+#include "../core/rng.hpp"
+#include "../kernels/cpu/softmax.hpp"
+#include "linear.hpp"
+
+namespace mnemo {
+
+/// Projected keys or values of t memory slots: slot j of batch row b holds D contiguous features at
+/// data + j·slot_stride + b·batch_stride. Sequence-major [t, B, D]: slot_stride = B·D, batch_stride = D;
+/// batch-major [B, capacity, D]: slot_stride = D, batch_stride = capacity·D.
+template <class T>
+struct memory_slots {
+    T* data = nullptr;
+    index_t slots = 0;
+    index_t slot_stride = 0;
+    index_t batch_stride = 0;
+
+    memory_slots() = default;
+    memory_slots(T* d, index_t n, index_t slot_stride_, index_t batch_stride_)
+        : data(d), slots(n), slot_stride(slot_stride_), batch_stride(batch_stride_) {}
+    /// Mutable -> const, implicitly (as view's).
+    template <class U>
+        requires(std::is_same_v<const U, T> && !std::is_same_v<U, T>)
+    memory_slots(const memory_slots<U>& o)  // NOLINT(google-explicit-constructor)
+        : data(o.data), slots(o.slots), slot_stride(o.slot_stride), batch_stride(o.batch_stride) {}
+
+    T* at(index_t slot, index_t b) const { return data + slot * slot_stride + b * batch_stride; }
+};
+
+/// What feedback_attention's forward saves for backward, in caller-owned storage (the model keeps one
+/// per step of a sequence): q [B, D] (without u), attn [B, heads, t] (softmax weights), ctx [B, D]
+/// (heads concatenated, before the output projection).
+template <class T>
+struct feedback_attention_cache {
+    T* q = nullptr;
+    T* attn = nullptr;
+    T* ctx = nullptr;
+};
+
+template <class T, class Config, class Backend = cpu>
+class feedback_attention {
+    using K = ops<Backend>;
+
+public:
+    static constexpr std::size_t d_model = Config::d_model;
+    static constexpr std::size_t heads = Config::heads;
+    static constexpr std::size_t d_head = Config::d_head;
+    static constexpr index_t default_n_pos = 4096;
+    using view_d = view<T, d_model, Backend>;
+    using cview_d = view<const T, d_model, Backend>;
+
+    feedback_attention(parameter_set<T>& ps, const std::string& name, index_t n_pos = default_n_pos)
+        : name_(name), n_pos_(n_pos), query_(ps, name + ".query.linear", false), output_(ps, name + ".output", true) {
+        MNEMO_CHECK(n_pos >= 1, "feedback_attention '", name, "': n_pos (the number of relative positions P) must be "
+                    "at least 1, got ", n_pos);
+        r_ = ps.declare(name + ".key_pos_embeddings", {n_pos, H, Dk});
+        s_ = ps.declare(name + ".key_pos_bias", {n_pos, H});
+        u_ = ps.declare(name + ".query_pos_bias", {H, Dk});
+    }
+
+    /// PyTorch defaults for the linears; R, S and u start at zero (as the reference).
+    void reset_parameters(rng& r) const {
+        query_.reset_parameters(r);
+        output_.reset_parameters(r);
+        for (const param<T>* p : {&r_, &s_, &u_})
+            for (index_t i = 0; i < p->size(); ++i) p->value()[i] = T(0);
+    }
+
+    /// Number of attention weights one step saves: batch · heads · t.
+    static index_t attn_size(index_t batch, index_t t) { return batch * H * t; }
+
+    /// out [B, D] = attention of z [B, D] over the t memory slots' keys and values (oldest first).
+    /// Saves q, the weights and the context into `cache`.
+    void forward(cview_d z, memory_slots<const T> keys, memory_slots<const T> values, index_t batch,
+                 feedback_attention_cache<T> cache, view_d out) {
+        const index_t t = steps(z, keys, values, batch);
+        check_rows(z, out, "feedback_attention", "z", "out");
+        const view_d q(cache.q, batch), ctx(cache.ctx, batch), qu(qu_.ensure(batch * D), batch);
+        query_.forward(z, q);
+        K::copy(batch, D, q.data(), D, qu.data(), D);
+        K::add_bias_rows(batch, D, u_.value(), qu.data(), D);  // q + u, u [heads·d_k] broadcast
+
+        const T scale = T(1) / std::sqrt(T(d_head));
+        const T* r_win = r_.value() + (n_pos_ - t) * D;  // R[P − t + j] for j = 0 … t − 1
+        const T* s_win = s_.value() + (n_pos_ - t) * H;
+        T* attn = cache.attn;
+#pragma omp parallel for schedule(static) collapse(2) if (batch * H * t >= 4096)
+        for (index_t b = 0; b < batch; ++b) {
+            for (index_t h = 0; h < H; ++h) {
+                T* a = attn + (b * H + h) * t;  // [t]
+                const index_t off = b * D + h * Dk;
+                const T *qb = q.data() + off, *qub = qu.data() + off, *k0 = keys.at(0, b) + h * Dk,
+                        *v0 = values.at(0, b) + h * Dk, *r0 = r_win + h * Dk;
+                for (index_t j = 0; j < t; ++j)  // (q + u)·k_j + q·R[P − t + j] + S[P − t + j]
+                    a[j] = dot2(qub, k0 + j * keys.slot_stride, qb, r0 + j * D) + s_win[j * H + h];
+                K::softmax_forward(1, t, a, t, a, t, scale);
+                T* c = ctx.data() + off;  // Σ_j a_j v_j
+                for (index_t d = 0; d < Dk; ++d) c[d] = T(0);
+                for (index_t j = 0; j < t; ++j) axpy(a[j], v0 + j * values.slot_stride, c);
+            }
+        }
+        output_.forward(ctx, out);
+    }
+
+    /// The per-step half of backward. From d_out [B, D] and forward's cache: d_q [B, D] (assigned, in
+    /// caller storage: backward_weights reads it), d_keys and d_values (+=, in the layout of their own
+    /// memory_slots), R, S and u gradients (+=), and d_z = d_q·W_q (assigned, or += with accumulate_dz;
+    /// skipped when d_z has no data).
+    void backward_step(memory_slots<const T> keys, memory_slots<const T> values, cview_d d_out, index_t batch,
+                       feedback_attention_cache<const T> cache, view_d d_q, memory_slots<T> d_keys,
+                       memory_slots<T> d_values, view_d d_z, bool accumulate_dz = false) {
+        const index_t t = steps(d_out, keys, values, batch);
+        MNEMO_CHECK(d_keys.slots == t && d_values.slots == t, "feedback_attention '", name_, "': gradients for ",
+                    d_keys.slots, " and ", d_values.slots, " slots, the keys have ", t);
+        check_rows(d_out, d_q, "feedback_attention", "d_out", "d_q");
+        const cview_d q(cache.q, batch);
+        const view_d d_ctx(d_ctx_.ensure(batch * D), batch), qu(qu_.ensure(batch * D), batch),
+            d_qu(d_qu_.ensure(batch * D), batch);
+        output_.backward_input(d_out, d_ctx);
+        K::copy(batch, D, q.data(), D, qu.data(), D);
+        K::add_bias_rows(batch, D, u_.value(), qu.data(), D);
+
+        const T scale = T(1) / std::sqrt(T(d_head));
+        const T* r_win = r_.value() + (n_pos_ - t) * D;
+        const T* attn = cache.attn;
+        T* d_scores = d_scores_.ensure(attn_size(batch, t));  // [B, H, t]
+#pragma omp parallel for schedule(static) collapse(2) if (batch * H * t >= 4096)
+        for (index_t b = 0; b < batch; ++b) {
+            for (index_t h = 0; h < H; ++h) {
+                const T* a = attn + (b * H + h) * t;
+                T* ds = d_scores + (b * H + h) * t;
+                const index_t off = b * D + h * Dk;
+                const T *dc = d_ctx.data() + off, *qub = qu.data() + off, *k0 = keys.at(0, b) + h * Dk,
+                        *v0 = values.at(0, b) + h * Dk, *r0 = r_win + h * Dk;
+                T *dk0 = d_keys.at(0, b) + h * Dk, *dv0 = d_values.at(0, b) + h * Dk;
+                for (index_t j = 0; j < t; ++j) {  // dA_j = d_ctx·v_j,  dv_j += a_j·d_ctx
+                    ds[j] = dot(dc, v0 + j * values.slot_stride);
+                    axpy(a[j], dc, dv0 + j * d_values.slot_stride);
+                }
+                K::softmax_backward(1, t, a, t, ds, t, ds, t, scale);  // d raw score (the scale folded in)
+                T *dqu = d_qu.data() + off, *dq = d_q.data() + off;
+                for (index_t d = 0; d < Dk; ++d) dqu[d] = dq[d] = T(0);
+                for (index_t j = 0; j < t; ++j) {
+                    axpy(ds[j], qub, dk0 + j * d_keys.slot_stride);   // dk_j += ds_j·(q + u)
+                    axpy(ds[j], k0 + j * keys.slot_stride, dqu);      // d(q + u) += ds_j·k_j
+                    axpy(ds[j], r0 + j * D, dq);                      // dq += ds_j·R[P − t + j]
+                }
+            }
+        }
+        // Tables, per head: dR[P − t + j] += Σ_b ds[b, h, j]·q[b],  dS[P − t + j] += Σ_b ds[b, h, j].
+        T* dr_win = r_.grad() + (n_pos_ - t) * D;
+        T* ds_win = s_.grad() + (n_pos_ - t) * H;
+        for (index_t h = 0; h < H; ++h) {
+            K::gemm_tn(t, Dk, batch, d_scores + h * t, H * t, q.data() + h * Dk, D, dr_win + h * Dk, D, T(1));
+            for (index_t b = 0; b < batch; ++b) {
+                const T* ds = d_scores + (b * H + h) * t;
+                for (index_t j = 0; j < t; ++j) ds_win[j * H + h] += ds[j];
+            }
+        }
+        K::sum_rows_accumulate(batch, D, d_qu.data(), D, u_.grad());            // du = Σ_b d(q + u)
+        K::add(batch, D, d_q.data(), D, d_qu.data(), D, d_q.data(), D);         // dq = d(q + u) + positional part
+        if (d_z.data()) {
+            check_rows(d_out, d_z, "feedback_attention", "d_out", "d_z");
+            query_.backward_input(cview_d(d_q), d_z, accumulate_dz);
+        }
+    }
+
+    /// The weight half of backward, over any number of rows (one step, or many steps at once):
+    /// W_q += d_qᵀ·z,  W_o += d_outᵀ·ctx,  b_o += Σ d_out.
+    void backward_weights(cview_d z, cview_d ctx, cview_d d_q, cview_d d_out) const {
+        query_.backward(z, d_q, view_d());
+        output_.backward(ctx, d_out, view_d());
+    }
+
+    /// Both halves for one step (d_z assigned, or += with accumulate_dz).
+    void backward(cview_d z, memory_slots<const T> keys, memory_slots<const T> values, cview_d d_out, index_t batch,
+                  feedback_attention_cache<const T> cache, memory_slots<T> d_keys, memory_slots<T> d_values,
+                  view_d d_z, bool accumulate_dz = false) {
+        const view_d d_q(d_q_.ensure(batch * D), batch);
+        backward_step(keys, values, d_out, batch, cache, d_q, d_keys, d_values, d_z, accumulate_dz);
+        backward_weights(z, cview_d(cache.ctx, batch), d_q, d_out);
+    }
+
+    index_t n_pos() const { return n_pos_; }
+    const std::string& name() const { return name_; }
+    const linear<T, d_model, d_model, Backend>& query() const { return query_; }
+    const linear<T, d_model, d_model, Backend>& output() const { return output_; }
+    const param<T>& key_pos_embeddings() const { return r_; }
+    const param<T>& key_pos_bias() const { return s_; }
+    const param<T>& query_pos_bias() const { return u_; }
+
+private:
+    static constexpr index_t D = index_t(d_model), H = index_t(heads), Dk = index_t(d_head);
+
+    // One head's d_k features: the per-(batch row, head) loops are too short for a GEMM call to pay
+    // off (t × d_k with d_k = 64), so they run as vectorised loops over d_k (a compile-time extent).
+    static T dot(const T* a, const T* b) {
+        T s = 0;
+#pragma omp simd reduction(+ : s)
+        for (index_t d = 0; d < Dk; ++d) s += a[d] * b[d];
+        return s;
+    }
+    // a·b + c·e in one pass.
+    static T dot2(const T* a, const T* b, const T* c, const T* e) {
+        T s = 0;
+#pragma omp simd reduction(+ : s)
+        for (index_t d = 0; d < Dk; ++d) s += a[d] * b[d] + c[d] * e[d];
+        return s;
+    }
+    // y += alpha·x
+    static void axpy(T alpha, const T* x, T* y) {
+#pragma omp simd
+        for (index_t d = 0; d < Dk; ++d) y[d] += alpha * x[d];
+    }
+
+    // t, the number of memory slots, with the shape checks every entry point makes.
+    template <class Z>
+    index_t steps(const Z& z, memory_slots<const T> keys, memory_slots<const T> values, index_t batch) const {
+        MNEMO_CHECK(batch >= 1 && z.rows() == batch, "feedback_attention '", name_, "': ", z.rows(),
+                    " query rows for a batch of ", batch, " (one query per batch row)");
+        MNEMO_CHECK(keys.slots == values.slots, "feedback_attention '", name_, "': ", keys.slots, " key slots but ",
+                    values.slots, " value slots");
+        const index_t t = keys.slots;
+        MNEMO_CHECK(t >= 1, "feedback_attention '", name_, "': no memory slots to attend to (the first step has no "
+                    "attention)");
+        MNEMO_CHECK(t <= n_pos_, "feedback_attention '", name_, "': ", t, " memory slots need more relative positions "
+                    "than n_pos = ", n_pos_, "; raise n_pos or shorten the sequence");
+        return t;
+    }
+
+    std::string name_;
+    index_t n_pos_;
+    linear<T, d_model, d_model, Backend> query_, output_;
+    param<T> r_, s_, u_;
+    // Scratch: q + u [B, D]; backward's d_ctx, d(q + u) [B, D], d scores [B, H, t]; backward()'s d_q.
+    buffer<T> qu_, d_ctx_, d_qu_, d_scores_, d_q_;
+};
+
+}  // namespace mnemo
