@@ -32,7 +32,6 @@ using mnemo::testing::randomize_model;
 
 namespace {
 
-
 using cfg = mnemo::config<8, 2>;
 constexpr index_t D = 8, H = 2, Dk = 4;
 using V = view<const double, D>;
