@@ -5,6 +5,8 @@
 #include <cmath>
 #include <vector>
 
+#include <omp.h>
+
 #include <mnemo/models/compressive_transformer.hpp>
 #include <mnemo/train/optimizer.hpp>
 
@@ -235,4 +237,30 @@ TEST_CASE("compressive_transformer: a Transformer-XL model (no_compression) has 
     std::vector<token_t> t = {1, 2, 3};
     for (int s = 0; s < 3; ++s) CHECK(std::isfinite(model.train_segment(t, t, 1, mem).ce));
     CHECK(mem.mem_slots() == 4);
+}
+
+TEST_CASE("compressive_transformer: training steps are bitwise the same on 1 and 2 threads") {
+    // Results must not depend on the thread count (STYLE: reductions in a fixed order), so a run
+    // resumed with another --threads continues exactly.
+    using m_t = mnemo::compressive_transformer<float, mnemo::config<64, 4, 2>>;
+    std::vector<float> grads[2], logits[2];
+    for (int threads = 1; threads <= 2; ++threads) {
+        const int saved = omp_get_max_threads();
+        omp_set_num_threads(threads);
+        m_t model({.vocab = 30, .n_layers = 2, .d_ff = 128, .n_pos = 64});
+        model.reset_parameters(3);
+        auto mem = model.make_memory(8, 16);
+        mem.reset(32, 8);
+        for (int s = 0; s < 4; ++s) {  // the memory fills and compresses
+            auto tokens = random_tokens(8 * 32, 30, 50 + s), targets = random_tokens(8 * 32, 30, 60 + s);
+            model.parameters().zero_grad();
+            model.train_segment(tokens, targets, 32, mem);
+        }
+        omp_set_num_threads(saved);
+        auto& ps = model.parameters();
+        grads[threads - 1].assign(ps.grads(), ps.grads() + ps.size());
+        logits[threads - 1].assign(model.logits().data(), model.logits().data() + model.logits().size());
+    }
+    CHECK(logits[0] == logits[1]);
+    CHECK(grads[0] == grads[1]);
 }

@@ -22,7 +22,9 @@ namespace {
 struct gemm_shape {
     index_t m, n, k;
 };
-const gemm_shape gemm_shapes[] = {{1, 1, 1}, {3, 5, 7}, {17, 33, 9}, {64, 48, 31}, {129, 65, 130}, {5, 0, 3}, {4, 6, 0}};
+// The last two are large enough to be split across threads (rows, then columns).
+const gemm_shape gemm_shapes[] = {{1, 1, 1}, {3, 5, 7}, {17, 33, 9}, {64, 48, 31}, {129, 65, 130}, {5, 0, 3}, {4, 6, 0},
+                                  {257, 190, 64}, {40, 700, 90}};
 
 // Naive C = beta·C + alpha·op(A)·op(B) with op chosen by flags, in double.
 template <class T>
