@@ -1,27 +1,37 @@
-// mnemo_eval: evaluates a Compressive Transformer / Transformer-XL checkpoint over a token file and
-// writes the logits and losses, so that mnemo can be checked against a PyTorch model holding the same
-// weights. Its Python twin is tools/reference_eval.py (same flags, same output file); tools/
-// check_eval_parity.sh runs both on random checkpoints and compares.
+// mnemo_eval: evaluates a Compressive Transformer / Transformer-XL / Feedback Transformer checkpoint
+// over a token file and writes the logits and losses, so that mnemo can be checked against a PyTorch
+// model holding the same weights. Its Python twins are tools/reference_eval.py (compressive, xl) and
+// tools/reference/feedback.py (feedback, feedback-kv), with the same flags and the same output file;
+// tools/check_eval_parity.sh runs both on random checkpoints and compares.
 //
 //   mnemo_eval --model compressive|xl --checkpoint W.safetensors --tokens T.safetensors --out O.safetensors
 //              --seq-len N --mem-len M --c-mem-len K [--compression conv|max|mean] [--rate C] [--n-pos P]
+//   mnemo_eval --model feedback|feedback-kv --checkpoint W.safetensors --tokens T.safetensors
+//              --out O.safetensors --seq-len N [--n-pos P]
 //
 // The sizes come from the checkpoint's shapes (labml's state_dict names):
 //   vocab, d_model   src_embed.weight [vocab, D]
 //   n_layers         the number of transformer.layers.<l> prefixes
 //   d_ff             transformer.layers.0.feed_forward.layer1.weight [d_ff, D]
 //   heads, P         transformer.layers.0.self_attn.key_pos_bias [2P, heads]
+//                    (feedback: transformer.layers.0.attn.key_pos_bias [P, heads])
 //   rate             transformer.layers.0.compress.conv.weight [D, D, rate]; without conv weights
 //                    (max/mean pooling) --rate or "__metadata__" compression_rate
 // d_model, heads and the rate are compile-time in mnemo, so the program picks one of the
-// configurations compiled in from examples/model_zoo.hpp.
+// configurations compiled in from examples/model_zoo.hpp (feedback models match on d_model and heads).
+// The feedback variant must match the checkpoint: feedback has per-layer key/value projections
+// (transformer.layers.<l>.attn.key.linear.weight), feedback-kv shared ones (transformer.key.linear.weight).
 //
 // Segment s (of n_segments = (n_tokens − 1) / N) reads tokens[:, s·N, s·N + N) and predicts
-// tokens[:, s·N + 1, s·N + N + 1); the memory is carried across segments and merged (compressing the
-// overflow) after each, exactly as in training. "--c-mem-len 0" is Transformer-XL for either model.
+// tokens[:, s·N + 1, s·N + N + 1). Compressive / XL: the memory is carried across segments and merged
+// (compressing the overflow) after each, exactly as in training; "--c-mem-len 0" is Transformer-XL for
+// either model. Feedback: every segment starts from an empty memory, as the reference trains (no state
+// is carried); --mem-len and --c-mem-len may be left out or given as 0.
 //
 // O.safetensors: logits F32 [n_segments, batch, N, vocab], ce_loss F32 [n_segments] (mean over the
-// batch·N positions), ar_loss F32 [n_segments] (attention reconstruction; 0 where nothing was compressed).
+// batch·N positions), ar_loss F32 [n_segments] (attention reconstruction; 0 where nothing was compressed,
+// and always 0 for the feedback models, which have none: written so that every model's file has the
+// same tensors).
 #include <algorithm>
 #include <charconv>
 #include <chrono>
@@ -51,23 +61,28 @@ constexpr const char* usage =
     "usage: mnemo_eval --model compressive|xl --checkpoint W.safetensors --tokens T.safetensors\n"
     "                  --out O.safetensors --seq-len N --mem-len M --c-mem-len K\n"
     "                  [--compression conv|max|mean] [--rate C] [--n-pos P]\n"
+    "       mnemo_eval --model feedback|feedback-kv --checkpoint W.safetensors --tokens T.safetensors\n"
+    "                  --out O.safetensors --seq-len N [--n-pos P]\n"
     "\n"
     "Evaluates a Compressive Transformer (or Transformer-XL: --model xl, or --c-mem-len 0) checkpoint\n"
-    "with labml's parameter names over consecutive segments of N tokens, carrying the memory, and\n"
-    "writes logits [n_segments, batch, N, vocab], ce_loss [n_segments] and ar_loss [n_segments] (F32).\n"
+    "with labml's parameter names over consecutive segments of N tokens, carrying the memory, or a\n"
+    "Feedback Transformer checkpoint with every segment from an empty memory, and writes logits\n"
+    "[n_segments, batch, N, vocab], ce_loss [n_segments] and ar_loss [n_segments] (F32; ar_loss is 0\n"
+    "for the feedback models).\n"
     "\n"
-    "  --model          compressive or xl (xl needs --c-mem-len 0 and a checkpoint without compress.*)\n"
+    "  --model          compressive or xl (xl needs --c-mem-len 0 and a checkpoint without compress.*);\n"
+    "                   feedback (per-layer keys/values) or feedback-kv (shared keys/values)\n"
     "  --checkpoint     weights (safetensors); the sizes are read from the tensor shapes\n"
     "  --tokens         safetensors file with one I64 or I32 tensor 'tokens' [batch, n_tokens]\n"
     "  --out            output safetensors file (written atomically)\n"
     "  --seq-len        N, tokens per segment (>= 1)\n"
-    "  --mem-len        M, memory slots kept (>= 0)\n"
-    "  --c-mem-len      K, compressed memory slots kept (>= 0; 0 is Transformer-XL)\n"
+    "  --mem-len        M, memory slots kept (>= 0; feedback: none are kept, 0 or left out)\n"
+    "  --c-mem-len      K, compressed memory slots kept (>= 0; 0 is Transformer-XL; feedback: 0 or left out)\n"
     "  --compression    conv (default; weights in the checkpoint), max or mean pooling\n"
     "  --rate           compression rate for max/mean pooling when the checkpoint's __metadata__ has no\n"
     "                   compression_rate (must agree with it, and with the conv kernel, where present)\n"
-    "  --n-pos          relative positions P; read from the checkpoint (key_pos_bias has 2P rows), and\n"
-    "                   an error if given and different\n"
+    "  --n-pos          relative positions P; read from the checkpoint (key_pos_bias has 2P rows, P for\n"
+    "                   the feedback models), and an error if given and different\n"
     "\n"
     "Supported configurations (d_model, heads, compression rate; add more in examples/model_zoo.hpp):\n";
 
@@ -114,11 +129,26 @@ options parse(int argc, char** argv) {
         }
         if (!given.emplace(a, v).second) fail("mnemo_eval: option ", a, " is given twice");
     }
-    for (const char* required : {"--model", "--checkpoint", "--tokens", "--out", "--seq-len", "--mem-len", "--c-mem-len"})
+    for (const char* required : {"--model", "--checkpoint", "--tokens", "--out", "--seq-len"})
         if (!given.count(required)) fail("mnemo_eval: missing required option ", required, " (try --help)");
 
     options o;
     o.model = ex::parse_model_kind(given["--model"]);
+    const bool feedback = ex::is_feedback(o.model);
+    if (feedback) {
+        // No memory is carried and nothing is compressed: 0 (as a uniform command line may pass) or nothing.
+        for (const char* flag : {"--mem-len", "--c-mem-len"})
+            if (given.count(flag) && parse_integer(given[flag], flag) != 0)
+                fail("mnemo_eval: --model ", ex::name(o.model), " carries no memory between segments (each starts ",
+                     "from an empty memory): ", flag, " must be 0 or left out, got ", given[flag]);
+        for (const char* flag : {"--compression", "--rate"})
+            if (given.count(flag))
+                fail("mnemo_eval: --model ", ex::name(o.model), " has no compression: ", flag, " does not apply");
+        given.try_emplace("--mem-len", "0");
+        given.try_emplace("--c-mem-len", "0");
+    }
+    for (const char* required : {"--mem-len", "--c-mem-len"})
+        if (!given.count(required)) fail("mnemo_eval: missing required option ", required, " (try --help)");
     o.checkpoint = given["--checkpoint"];
     o.tokens = given["--tokens"];
     o.out = given["--out"];
@@ -144,11 +174,17 @@ struct model_sizes {
     std::optional<index_t> conv_rate;  // kernel of transformer.layers.0.compress.conv.weight
 };
 
-const mnemo::safetensors_tensor& shaped(const mnemo::safetensors_file& f, const std::string& name, std::size_t rank) {
+// The model family, as the error messages name it.
+const char* family(ex::model_kind k) {
+    return ex::is_feedback(k) ? "Feedback Transformer" : "Compressive Transformer / Transformer-XL";
+}
+
+const mnemo::safetensors_tensor& shaped(const mnemo::safetensors_file& f, const std::string& name, std::size_t rank,
+                                        ex::model_kind kind) {
     const mnemo::safetensors_tensor* t = f.find(name);
     if (!t)
-        fail("mnemo_eval: checkpoint '", f.path(), "' has no tensor '", name,
-             "' (is it a Compressive Transformer / Transformer-XL checkpoint with labml's parameter names?)");
+        fail("mnemo_eval: checkpoint '", f.path(), "' has no tensor '", name, "' (is it a ", family(kind),
+             " checkpoint with labml's parameter names?)");
     if (t->shape.size() != rank)
         fail("mnemo_eval: tensor '", name, "' in '", f.path(), "' has shape ", mnemo::shape_string(t->shape),
              ", expected rank ", rank);
@@ -167,24 +203,46 @@ std::optional<index_t> layer_index(const std::string& name) {
     return l;
 }
 
-model_sizes read_sizes(const mnemo::safetensors_file& f) {
+model_sizes read_sizes(const mnemo::safetensors_file& f, ex::model_kind kind) {
     model_sizes s;
-    const auto& embed = shaped(f, "src_embed.weight", 2);
+    const auto& embed = shaped(f, "src_embed.weight", 2, kind);
     s.vocab = index_t(embed.shape[0]);
     s.d_model = index_t(embed.shape[1]);
     for (const auto& t : f.tensors())
         if (const auto l = layer_index(t.name)) s.n_layers = std::max(s.n_layers, *l + 1);
     if (s.n_layers == 0) fail("mnemo_eval: checkpoint '", f.path(), "' has no transformer.layers.<l>.* tensors");
-    s.d_ff = index_t(shaped(f, "transformer.layers.0.feed_forward.layer1.weight", 2).shape[0]);
-    const auto& bias = shaped(f, "transformer.layers.0.self_attn.key_pos_bias", 2);
+    s.d_ff = index_t(shaped(f, "transformer.layers.0.feed_forward.layer1.weight", 2, kind).shape[0]);
+    if (ex::is_feedback(kind)) {  // the feedback tables have P rows (distances 1 … P), not 2P
+        const auto& bias = shaped(f, "transformer.layers.0.attn.key_pos_bias", 2, kind);
+        s.n_pos = index_t(bias.shape[0]);
+        s.heads = index_t(bias.shape[1]);
+        return s;
+    }
+    const auto& bias = shaped(f, "transformer.layers.0.self_attn.key_pos_bias", 2, kind);
     if (bias.shape[0] % 2 != 0)
         fail("mnemo_eval: tensor 'transformer.layers.0.self_attn.key_pos_bias' in '", f.path(), "' has shape ",
              mnemo::shape_string(bias.shape), ": its first dimension must be 2·n_pos (even)");
     s.n_pos = index_t(bias.shape[0] / 2);
     s.heads = index_t(bias.shape[1]);
     if (f.contains("transformer.layers.0.compress.conv.weight"))
-        s.conv_rate = index_t(shaped(f, "transformer.layers.0.compress.conv.weight", 3).shape[2]);
+        s.conv_rate = index_t(shaped(f, "transformer.layers.0.compress.conv.weight", 3, kind).shape[2]);
     return s;
+}
+
+// The feedback variant must be the checkpoint's: each has key projections the other lacks.
+void check_feedback_variant(const options& o, const mnemo::safetensors_file& f) {
+    static const std::string shared = "transformer.key.linear.weight",
+                             per_layer = "transformer.layers.0.attn.key.linear.weight";
+    const bool want_shared = o.model == ex::model_kind::feedback_kv;
+    const std::string& need = want_shared ? shared : per_layer;
+    if (f.contains(need)) return;
+    const std::string& other = want_shared ? per_layer : shared;
+    fail("mnemo_eval: --model ", ex::name(o.model), " needs the ", want_shared ? "shared" : "per-layer",
+         " key projection '", need, "', which checkpoint '", f.path(), "' does not have",
+         f.contains(other) ? std::string(" (it has '") + other + "': a " +
+                                 (want_shared ? "per-layer (--model feedback)" : "shared-KV (--model feedback-kv)") +
+                                 " checkpoint)"
+                           : std::string());
 }
 
 // The compression rate: the conv kernel, --rate and the metadata must agree where present. A model
@@ -271,30 +329,59 @@ void check_positions(const options& o, index_t rate, index_t n_pos, index_t n_se
     }
 }
 
+// A feedback segment of N tokens attends over N − 1 memory slots at its last step (distances 1 … N − 1).
+void check_feedback_positions(const options& o, index_t n_pos) {
+    if (o.seq_len - 1 > n_pos)
+        fail("mnemo_eval: a segment of ", o.seq_len, " tokens attends over ", o.seq_len - 1,
+             " memory slots at its last step, but the checkpoint's positional tables cover n_pos = ", n_pos,
+             "; shorten --seq-len to at most ", n_pos + 1);
+}
+
 struct eval_result {
     std::vector<float> logits;  // [n_segments, batch, N, vocab]
     std::vector<float> ce, ar;  // [n_segments]
 };
 
+// The model's construction options from the checkpoint's sizes.
+template <class Model>
+auto model_options(const model_sizes& sz) {
+    if constexpr (ex::is_feedback_model<Model>)
+        return mnemo::feedback_options{.vocab = sz.vocab, .n_layers = sz.n_layers, .d_ff = sz.d_ff, .n_pos = sz.n_pos};
+    else
+        return mnemo::compressive_options{.vocab = sz.vocab, .n_layers = sz.n_layers, .d_ff = sz.d_ff,
+                                          .n_pos = sz.n_pos};
+}
+
+// What the feedback models carry from segment to segment: nothing.
+struct no_memory {};
+
 template <class Model>
 eval_result evaluate(const options& o, const model_sizes& sz, const mnemo::safetensors_file& ckpt,
                      const token_matrix& tok, index_t n_segments) {
-    Model model(mnemo::compressive_options{.vocab = sz.vocab, .n_layers = sz.n_layers, .d_ff = sz.d_ff,
-                                           .n_pos = sz.n_pos});
+    constexpr bool feedback = ex::is_feedback_model<Model>;
+    Model model(model_options<Model>(sz));
     auto& ps = model.parameters();
     // Strict loading: every parameter present with its shape (load_parameters checks), and no tensor
     // the model does not declare, except conv weights of a model built without them.
+    const std::string model_name = feedback                ? std::string(ex::name(o.model))
+                                   : o.c_mem_len == 0      ? std::string("Transformer-XL")
+                                                           : std::string(ex::name(o.compression)) + "-compression";
     for (const auto& t : ckpt.tensors())
-        if (!ps.find(t.name) && !unused_conv_weight(t.name))
-            fail("mnemo_eval: unexpected tensor '", t.name, "' in '", ckpt.path(), "': the ",
-                 o.c_mem_len == 0 ? std::string("Transformer-XL")
-                                  : std::string(ex::name(o.compression)) + "-compression",
+        if (!ps.find(t.name) && (feedback || !unused_conv_weight(t.name)))
+            fail("mnemo_eval: unexpected tensor '", t.name, "' in '", ckpt.path(), "': the ", model_name,
                  " model with ", sz.n_layers, " layers has no parameter of that name");
     mnemo::load_parameters(ckpt, ps, {.ignore_unexpected = true});
 
     const index_t B = tok.batch, N = o.seq_len, V = sz.vocab;
-    auto memory = model.make_memory(o.mem_len, o.c_mem_len);
-    memory.reset(B, N);
+    [[maybe_unused]] auto memory = [&] {
+        if constexpr (feedback) {
+            return no_memory{};
+        } else {
+            auto m = model.make_memory(o.mem_len, o.c_mem_len);
+            m.reset(B, N);
+            return m;
+        }
+    }();
     eval_result r;
     r.logits.resize(std::size_t(n_segments * B * N * V));
     r.ce.resize(std::size_t(n_segments));
@@ -310,7 +397,9 @@ eval_result evaluate(const options& o, const model_sizes& sz, const mnemo::safet
                 inputs[std::size_t(q * B + b)] = token_t(row[q]);
                 targets[std::size_t(q * B + b)] = token_t(row[q + 1]);
             }
-        const mnemo::segment_losses losses = model.eval_segment(inputs, targets, B, memory);
+        mnemo::segment_losses losses;
+        if constexpr (feedback) losses.ce = model.eval_segment(inputs, targets, B);  // from an empty memory
+        else losses = model.eval_segment(inputs, targets, B, memory);
         const auto logits = model.logits();  // [N·B, V]
         for (index_t q = 0; q < N; ++q)
             for (index_t b = 0; b < B; ++b) {
@@ -333,18 +422,20 @@ eval_result evaluate(const options& o, const model_sizes& sz, const mnemo::safet
 int main(int argc, char** argv) try {
     const options o = parse(argc, argv);
     const mnemo::safetensors_file ckpt = mnemo::read_safetensors(o.checkpoint);
-    const model_sizes sz = read_sizes(ckpt);
+    const bool feedback = ex::is_feedback(o.model);
+    const model_sizes sz = read_sizes(ckpt, o.model);
     if (o.n_pos && *o.n_pos != sz.n_pos)
         fail("mnemo_eval: --n-pos ", *o.n_pos, " disagrees with the checkpoint '", o.checkpoint,
-             "', whose positional tables have 2·", sz.n_pos, " rows");
+             "', whose positional tables have ", feedback ? "" : "2·", sz.n_pos, " rows");
+    if (feedback) check_feedback_variant(o, ckpt);
     if (o.model == ex::model_kind::xl && sz.conv_rate)
         // The reference accepts this too: Transformer-XL never compresses, so the conv weights go unread.
         std::fprintf(stderr, "mnemo_eval: note: --model xl ignores the checkpoint's compress.conv.* tensors\n");
     const bool compresses = o.c_mem_len > 0;
-    const std::optional<index_t> rate = resolve_rate(o, sz, ckpt, compresses);
+    const std::optional<index_t> rate = feedback ? std::nullopt : resolve_rate(o, sz, ckpt, compresses);
     // A run that never compresses is Transformer-XL whatever the checkpoint holds: build the model
     // without a compression function, so it only needs d_model and heads to be compiled in.
-    const ex::model_kind kind = compresses ? ex::model_kind::compressive : ex::model_kind::xl;
+    const ex::model_kind kind = feedback ? o.model : compresses ? ex::model_kind::compressive : ex::model_kind::xl;
     // An unsupported configuration fails here, before the tokens are read, listing what is compiled in.
     ex::with_model(sz.d_model, sz.heads, rate.value_or(1), kind, o.compression, []<class>() {});
 
@@ -356,7 +447,8 @@ int main(int argc, char** argv) try {
     if (compresses && o.mem_len < *rate - 1)
         fail("mnemo_eval: --mem-len ", o.mem_len, " is below compression rate − 1 = ", *rate - 1,
              ": the memory must hold whole groups of ", *rate, " to compress");
-    check_positions(o, rate.value_or(1), sz.n_pos, n_segments);
+    if (feedback) check_feedback_positions(o, sz.n_pos);
+    else check_positions(o, rate.value_or(1), sz.n_pos, n_segments);
 
     const eval_result r = ex::with_model(sz.d_model, sz.heads, rate.value_or(1), kind, o.compression,
                                          [&]<class Model>() { return evaluate<Model>(o, sz, ckpt, tok, n_segments); });

@@ -1,12 +1,13 @@
 // train: character-level language modelling with the Compressive Transformer (Rae et al., 2019) or
-// Transformer-XL (Dai et al., 2019), trained as labml's compressive experiment does.
+// Transformer-XL (Dai et al., 2019), trained as labml's compressive experiment does, or with the
+// Feedback Transformer (Fan et al., 2020), trained as labml's feedback experiment does.
 //
 //   train                                  the main job: the built-in recall task (below), trains the
 //                                          Compressive Transformer and then Transformer-XL with the same
 //                                          settings and prints both recall accuracies
 //   train --task recall --model xl         the recall task with one model
-//   train --data FILE [--model compressive|xl]
-//                                          any text file; defaults are the reference experiment
+//   train --data FILE [--model compressive|xl|feedback|feedback-kv]
+//                                          any text file; defaults are the reference experiment's
 //   train --resume CKPT [--steps N]        continues a saved run bit for bit
 //   train --help                           every flag
 //
@@ -35,6 +36,18 @@
 // cosine decay, 5000 steps. Compressive accuracy 0.999 / 0.997 / 0.996 for seeds 1–3 (0.98 with mean,
 // 0.99 with max pooling); Transformer-XL 0.11–0.15, chance. A constant lr 1e-3 reached 0.85–0.99.
 //
+// The Feedback Transformer (--model feedback: per-layer keys/values; feedback-kv: shared ones). On text
+// the defaults are labml's feedback experiment: d_model 512, 8 heads, d_ff 2048, 6 layers, n_pos 4096,
+// seq_len 128, batch 64, Noam with lr 1 and 2000 warm-up steps (the reference shuffles its sequences;
+// here they are read from the streams as above). Every segment starts from an empty memory, in training
+// and validation alike (REFERENCE_NOTES 16): no state is carried, so --mem-len and --c-mem-len must be 0
+// and a checkpoint holds no memory. Sampling feeds the prompt and the continuation to the model's
+// generator as one sequence, each step reusing the cached keys and values of the earlier ones (the same
+// logits as the reference's re-evaluation of the whole growing sequence); a sequence spans at most
+// n_pos + 1 tokens (the positional tables), so a longer one starts again from its last seq_len tokens.
+// On the recall task the recall recipe applies (sizes, optimiser), with seq_len 64 so that a sequence
+// can hold a key and its answer; answers whose key lies in the previous segment are out of reach.
+//
 // Checkpoints (--checkpoint PATH, atomic safetensors writes):
 //   PATH                     the model alone, parameters under their PyTorch state_dict names (F32),
 //                            directly usable by mnemo_eval and tools/reference_eval.py; "__metadata__"
@@ -43,10 +56,11 @@
 //                            optimizer.exp_avg_sq.<name> (F32, the parameters' layout), trainer.step,
 //                            trainer.data_position [batch] (each stream's next segment), trainer.sample_rng
 //                            (the sampling RNG's offset), trainer.vocab (U8), memory.<l>.mem and
-//                            memory.<l>.c_mem (F32 [slots, batch, d_model], oldest slot first), and the
-//                            same metadata. A resumed run continues bit for bit: k steps, save, resume,
-//                            k steps equals 2k steps (tests/train_resume.cmake checks the files bytewise),
-//                            with any --threads (mnemo's results do not depend on the thread count).
+//                            memory.<l>.c_mem (F32 [slots, batch, d_model], oldest slot first; none for
+//                            the Feedback Transformer, which carries no memory), and the same metadata.
+//                            A resumed run continues bit for bit: k steps, save, resume, k steps equals
+//                            2k steps (tests/train_resume.cmake checks the files bytewise), with any
+//                            --threads (mnemo's results do not depend on the thread count).
 //   --export PATH            the model file alone, at the end.
 #include <omp.h>
 
@@ -66,6 +80,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <mnemo/mnemo.hpp>
@@ -135,23 +150,28 @@ std::uint64_t splitmix64(std::uint64_t x) {
 // Command line
 // ---------------------------------------------------------------------------------------------
 
-constexpr const char* usage_text = R"(usage: train [--data FILE | --task recall] [--model compressive|xl] [flags]
+constexpr const char* usage_text = R"(usage: train [--data FILE | --task recall] [--model MODEL] [flags]
 
 what to train
   --data FILE          character-level LM on FILE (90% train / 10% validation)
   --task recall        the built-in recall task (the default without --data); without --model it trains
                        the Compressive Transformer and then Transformer-XL and compares them
-  --model compressive|xl                     (default compressive; xl = no compressed memory)
+  --model compressive|xl|feedback|feedback-kv
+                       default compressive; xl = no compressed memory; feedback = the Feedback
+                       Transformer (per-layer keys/values), feedback-kv = with shared keys/values:
+                       every segment from an empty memory, no --mem-len, --c-mem-len, --rate, --compression
   --compression conv|max|mean                compression function f_c (default conv)
 model (must be compiled in: see examples/model_zoo.hpp)
-  --d-model N --heads N --rate N             text: 128 4 2; recall: 64 4 2
-  --d-ff N --layers N --n-pos N              text: 256 6 4096; recall: 128 2 64
-  --seq-len N --mem-len N --c-mem-len N      text: 8 8 128; recall: 8 8 16 (xl: c-mem-len 0)
-  --batch N                                  32
+  --d-model N --heads N --rate N             text: 128 4 2; recall: 64 4 2; feedback text: 512 8
+  --d-ff N --layers N --n-pos N              text: 256 6 4096; recall: 128 2 64; feedback text: 2048 6 4096
+  --seq-len N --mem-len N --c-mem-len N      text: 8 8 128; recall: 8 8 16 (xl: c-mem-len 0);
+                                             feedback: 128 (recall 64), no memory
+  --batch N                                  32 (feedback text: 64)
 optimisation
   --optimizer adamw|adam-warmup|noam   adam-warmup: labml's AdamWarmup, the reference's "AdamW"
                                        (text default); adamw: torch.optim.AdamW (recall default);
-                                       noam: labml's Noam (lr is a multiplier, default 1)
+                                       noam: labml's Noam (lr is a multiplier, default 1; feedback
+                                       text default, as the reference's feedback experiment)
   --lr X               text 2.5e-4, recall 1e-3, noam 1
   --warmup N           adam-warmup/noam 2000; adamw: linear warm-up steps (text 0, recall 100 or steps/10)
   --schedule constant|cosine           adamw only (text constant, recall cosine: decays to lr/10)
@@ -283,7 +303,6 @@ struct settings {
 };
 
 const char* task_name(task_kind t) { return t == task_kind::text ? "text" : "recall"; }
-const char* model_name(ex::model_kind m) { return m == ex::model_kind::compressive ? "compressive" : "xl"; }
 
 /// Resolves each setting: an explicit flag, else the checkpoint's value (when resuming), else the
 /// default. Model and data settings must agree with the checkpoint ("strict"); recipe settings (steps,
@@ -370,28 +389,38 @@ settings resolve_settings(const command_line& cl, const mnemo::safetensors_metad
     const bool recall = s.task == task_kind::recall;
     s.compare = recall && !ckpt && !cl.has("--model");
     s.model = ex::parse_model_kind(r.text("--model", "compressive"));
+    const bool xl = s.model == ex::model_kind::xl, feedback = ex::is_feedback(s.model);
+    if (feedback)
+        for (const char* flag : {"--compression", "--rate"})
+            if (cl.has(flag)) fail("--model ", ex::name(s.model), " has no compression: ", flag, " does not apply");
     s.compression = ex::parse_compression_kind(r.text("--compression", "conv"));
 
-    // The model (recall: a smaller one that learns the task in about a minute on two cores).
-    s.d_model = r.integer("--d-model", recall ? 64 : 128, 1);
-    s.heads = r.integer("--heads", 4, 1);
-    s.rate = r.integer("--rate", 2, 1);
-    s.d_ff = r.integer("--d-ff", recall ? 128 : 256, 1);
+    // The model (recall: a smaller one that learns the task in about a minute on two cores; feedback on
+    // text: labml's feedback experiment).
+    const bool feedback_text = feedback && !recall;
+    s.d_model = r.integer("--d-model", recall ? 64 : feedback ? 512 : 128, 1);
+    s.heads = r.integer("--heads", feedback_text ? 8 : 4, 1);
+    s.rate = feedback ? 1 : r.integer("--rate", 2, 1);
+    s.d_ff = r.integer("--d-ff", recall ? 128 : feedback ? 2048 : 256, 1);
     s.n_layers = r.integer("--layers", recall ? 2 : 6, 1);
     s.n_pos = r.integer("--n-pos", recall ? 64 : 4096, 1);
-    s.seq_len = r.integer("--seq-len", 8, 1);
-    s.mem_len = r.integer("--mem-len", 8, 0);
-    const bool xl = s.model == ex::model_kind::xl;
-    s.c_mem_len = r.integer("--c-mem-len", xl ? 0 : recall ? 16 : 128, 0);
+    s.seq_len = r.integer("--seq-len", feedback ? (recall ? 64 : 128) : 8, 1);
+    s.mem_len = r.integer("--mem-len", feedback ? 0 : 8, 0);
+    s.c_mem_len = r.integer("--c-mem-len", xl || feedback ? 0 : recall ? 16 : 128, 0);
     if (xl && s.c_mem_len != 0)
         fail("--model xl is Transformer-XL: it has no compressed memory, so --c-mem-len must be 0");
-    s.batch = r.integer("--batch", 32, 1);
+    if (feedback)
+        for (const auto& [flag, v] : {std::pair{"--mem-len", s.mem_len}, std::pair{"--c-mem-len", s.c_mem_len}})
+            if (v != 0)
+                fail("--model ", ex::name(s.model), " carries no memory between segments (each starts from an ",
+                     "empty memory): ", flag, " must be 0 or left out, got ", v);
+    s.batch = r.integer("--batch", feedback_text ? 64 : 32, 1);
     // Fail now, before any data is read, if (d_model, heads, rate) is not compiled in.
     ex::with_model(s.d_model, s.heads, s.rate, s.model, s.compression, []<class Model>() { return 0; });
     s.seed = std::uint64_t(r.integer("--seed", 1, 0));
 
     // The optimiser. Its kind is strict: the saved moments mean different things for each.
-    s.optimizer = r.text("--optimizer", recall ? "adamw" : "adam-warmup");
+    s.optimizer = r.text("--optimizer", recall ? "adamw" : feedback ? "noam" : "adam-warmup");
     if (s.optimizer != "adamw" && s.optimizer != "adam-warmup" && s.optimizer != "noam")
         fail("unknown --optimizer '", s.optimizer, "' (expected adamw, adam-warmup or noam)");
     const bool is_adamw = s.optimizer == "adamw";
@@ -437,8 +466,11 @@ settings resolve_settings(const command_line& cl, const mnemo::safetensors_metad
              "--model xl");
 
     // Shapes the model and memory need.
+    if (feedback && s.seq_len - 1 > s.n_pos)
+        fail("--n-pos ", s.n_pos, " is too small: the last token of a sequence of --seq-len ", s.seq_len,
+             " attends over ", s.seq_len - 1, " earlier positions");
     const index_t keys = s.c_mem_len + s.mem_len + s.seq_len;
-    if (keys > s.n_pos)
+    if (!feedback && keys > s.n_pos)
         fail("--n-pos ", s.n_pos, " is too small: attention reaches c_mem_len + mem_len + seq_len = ", keys,
              " positions back");
     if (!xl && s.c_mem_len > 0 && s.mem_len < s.rate - 1)
@@ -452,7 +484,7 @@ mnemo::safetensors_metadata settings_metadata(const settings& s) {
     m["format"] = "mnemo-train-1";
     m["task"] = task_name(s.task);
     if (s.task == task_kind::text) m["data"] = s.data;
-    m["model"] = model_name(s.model);
+    m["model"] = ex::name(s.model);
     if (s.model == ex::model_kind::compressive) {  // Transformer-XL has neither
         m["compression"] = ex::name(s.compression);
         m["compression_rate"] = std::to_string(s.rate);
@@ -463,8 +495,10 @@ mnemo::safetensors_metadata settings_metadata(const settings& s) {
     m["n_layers"] = std::to_string(s.n_layers);
     m["n_pos"] = std::to_string(s.n_pos);
     m["seq_len"] = std::to_string(s.seq_len);
-    m["mem_len"] = std::to_string(s.mem_len);
-    m["c_mem_len"] = std::to_string(s.c_mem_len);
+    if (!ex::is_feedback(s.model)) {  // the Feedback Transformer carries no memory
+        m["mem_len"] = std::to_string(s.mem_len);
+        m["c_mem_len"] = std::to_string(s.c_mem_len);
+    }
     m["batch"] = std::to_string(s.batch);
     m["optimizer"] = s.optimizer;
     m["schedule"] = s.schedule;
@@ -751,6 +785,64 @@ private:
 };
 
 // ---------------------------------------------------------------------------------------------
+// The model and what it carries across segments: the compressive / XL memory, or nothing (feedback)
+// ---------------------------------------------------------------------------------------------
+
+/// The model's construction options.
+template <class Model>
+auto model_options(const settings& s, index_t vocab) {
+    if constexpr (ex::is_feedback_model<Model>)
+        return mnemo::feedback_options{.vocab = vocab, .n_layers = s.n_layers, .d_ff = s.d_ff, .n_pos = s.n_pos};
+    else
+        return mnemo::compressive_options{.vocab = vocab, .n_layers = s.n_layers, .d_ff = s.d_ff, .n_pos = s.n_pos};
+}
+
+/// What the Feedback Transformer carries from one segment to the next: nothing (every sequence starts
+/// from an empty memory, as the reference trains). Stands in for the other models' memory.
+struct no_memory {
+    void reset(index_t, index_t) {}
+};
+
+/// An empty memory for `batch` streams.
+template <class Model>
+auto make_memory(Model& model, const settings& s, index_t batch) {
+    if constexpr (ex::is_feedback_model<Model>) {
+        return no_memory{};
+    } else {
+        auto memory = model.make_memory(s.mem_len, s.c_mem_len);
+        memory.reset(batch, s.seq_len);
+        return memory;
+    }
+}
+template <class Model>
+using memory_of = decltype(make_memory(std::declval<Model&>(), std::declval<const settings&>(), index_t()));
+
+/// One segment: forward and losses, and with `train` backward (parameter gradients +=); the memory is
+/// read and then updated (compressive / XL).
+template <class Model>
+mnemo::segment_losses run_segment(Model& model, std::span<const token_t> inputs, std::span<const token_t> targets,
+                                  index_t batch, memory_of<Model>& memory, bool train) {
+    if constexpr (ex::is_feedback_model<Model>)
+        return {.ce = train ? model.train_segment(inputs, targets, batch) : model.eval_segment(inputs, targets, batch)};
+    else
+        return train ? model.train_segment(inputs, targets, batch, memory)
+                     : model.eval_segment(inputs, targets, batch, memory);
+}
+
+/// "Compressive Transformer (conv compression, rate 2)" and the like.
+std::string model_description(const settings& s) {
+    switch (s.model) {
+        case ex::model_kind::compressive:
+            return std::string("Compressive Transformer (") + ex::name(s.compression) + " compression, rate " +
+                   std::to_string(s.rate) + ")";
+        case ex::model_kind::xl: return "Transformer-XL";
+        case ex::model_kind::feedback: return "Feedback Transformer (per-layer keys/values)";
+        case ex::model_kind::feedback_kv: return "Feedback Transformer (shared keys/values)";
+    }
+    return "?";
+}
+
+// ---------------------------------------------------------------------------------------------
 // Evaluation and sampling
 // ---------------------------------------------------------------------------------------------
 
@@ -764,15 +856,14 @@ struct validation_result {
 /// Validation from the start of the validation streams with a fresh memory; max_segments 0 = one pass.
 template <class Model>
 validation_result validate(Model& model, segment_streams streams, const settings& s, std::int64_t max_segments) {
-    auto memory = model.make_memory(s.mem_len, s.c_mem_len);
-    memory.reset(s.batch, s.seq_len);
+    auto memory = make_memory(model, s, s.batch);
     const std::int64_t n =
         max_segments > 0 ? std::min(max_segments, streams.segments_per_pass()) : streams.segments_per_pass();
     std::vector<token_t> inputs, targets;
     validation_result v;
     for (std::int64_t i = 0; i < n; ++i) {
         streams.next(inputs, targets);
-        const mnemo::segment_losses l = model.eval_segment(inputs, targets, s.batch, memory);
+        const mnemo::segment_losses l = run_segment(model, inputs, targets, s.batch, memory, /*train=*/false);
         v.ce += l.ce;
         v.ar += l.ar;
         const auto logits = model.logits();  // [Q·B, vocab]
@@ -803,14 +894,46 @@ token_t pick_token(const float* logits, index_t vocab, double temperature, mnemo
     return token_t(vocab - 1);
 }
 
+/// Feedback Transformer: continues `prompt` by `count` tokens with the generator, one step per token
+/// over the cached keys and values of the earlier ones: the prompt and the continuation are one
+/// sequence from an empty memory, as the reference samples. A sequence spans at most n_pos + 1 tokens;
+/// at that length the generator starts again from the last seq_len tokens (re-fed from empty).
+template <class Model>
+std::string sample_feedback(Model& model, const vocabulary& vocab, std::span<const token_t> prompt,
+                            const settings& s, std::int64_t count, double temperature, mnemo::rng& r) {
+    auto generator = model.generator(1);
+    const index_t window = s.n_pos + 1;
+    generator.reserve(std::min<index_t>(window, index_t(prompt.size()) + index_t(count)));
+    std::vector<token_t> text;  // every token fed
+    const auto feed = [&](token_t t) {
+        text.push_back(t);
+        if (generator.length() == window) {
+            generator.reset();
+            for (std::size_t i = text.size() - std::size_t(s.seq_len); i + 1 < text.size(); ++i)
+                generator.step(std::span<const token_t>(&text[i], 1));
+        }
+        return generator.step(std::span<const token_t>(&text.back(), 1));  // [1, vocab]
+    };
+    if (prompt.empty()) fail("--prompt is empty");
+    for (std::size_t i = 0; i + 1 < prompt.size(); ++i) feed(prompt[i]);
+    auto logits = feed(prompt.back());
+    std::string out;
+    for (std::int64_t k = 0; k < count; ++k) {
+        const token_t next = pick_token(logits.row(0), logits.cols(), temperature, r);
+        out += vocab.byte(next);
+        if (k + 1 == count) break;
+        logits = feed(next);
+    }
+    return out;
+}
+
 /// Continues `prompt` by `count` tokens, carrying a memory of batch 1 as the reference streams: the
 /// prompt in segments of up to seq_len, then one token per segment (the memory then oscillates
 /// between mem_len + 1 − c and mem_len slots, one compression every c tokens).
 template <class Model>
-std::string sample(Model& model, const vocabulary& vocab, std::span<const token_t> prompt, const settings& s,
-                   std::int64_t count, double temperature, mnemo::rng& r) {
-    auto memory = model.make_memory(s.mem_len, s.c_mem_len);
-    memory.reset(1, s.seq_len);
+std::string sample_with_memory(Model& model, const vocabulary& vocab, std::span<const token_t> prompt,
+                               const settings& s, std::int64_t count, double temperature, mnemo::rng& r) {
+    auto memory = make_memory(model, s, 1);
     for (std::size_t i = 0; i < prompt.size(); i += std::size_t(s.seq_len)) {
         model.forward(prompt.subspan(i, std::min(prompt.size() - i, std::size_t(s.seq_len))), 1, memory);
         model.update_memory(memory);
@@ -827,6 +950,14 @@ std::string sample(Model& model, const vocabulary& vocab, std::span<const token_
     return out;
 }
 
+/// Continues `prompt` by `count` tokens (greedy at temperature 0), the way the model runs.
+template <class Model>
+std::string sample(Model& model, const vocabulary& vocab, std::span<const token_t> prompt, const settings& s,
+                   std::int64_t count, double temperature, mnemo::rng& r) {
+    if constexpr (ex::is_feedback_model<Model>) return sample_feedback(model, vocab, prompt, s, count, temperature, r);
+    else return sample_with_memory(model, vocab, prompt, s, count, temperature, r);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Checkpoints: PATH (model) + PATH.state.safetensors (trainer state)
 // ---------------------------------------------------------------------------------------------
@@ -835,7 +966,7 @@ std::string sample(Model& model, const vocabulary& vocab, std::span<const token_
 template <class Model>
 struct run_state {
     trainer_optimizer& optimizer;
-    typename Model::memory_type& memory;
+    memory_of<Model>& memory;
     segment_streams& train;
     mnemo::rng& sample_rng;
 };
@@ -862,11 +993,13 @@ void save_checkpoint(const std::string& path, Model& model, const settings& s, c
     w.add("trainer.data_position", {std::int64_t(offsets.size())}, offsets.data());
     w.add("trainer.sample_rng", {1}, &sample_offset);
     w.add("trainer.vocab", {c.vocab.size()}, c.vocab.bytes.data());
-    const std::int64_t b = s.batch, d = s.d_model;
-    for (index_t l = 0; l < s.n_layers; ++l) {
-        const std::string p = "memory." + std::to_string(l);
-        w.add(p + ".mem", {st.memory.mem_slots(), b, d}, st.memory.mem(l).data());
-        w.add(p + ".c_mem", {st.memory.c_mem_slots(), b, d}, st.memory.c_mem(l).data());
+    if constexpr (!ex::is_feedback_model<Model>) {  // the Feedback Transformer carries no memory
+        const std::int64_t b = s.batch, d = s.d_model;
+        for (index_t l = 0; l < s.n_layers; ++l) {
+            const std::string p = "memory." + std::to_string(l);
+            w.add(p + ".mem", {st.memory.mem_slots(), b, d}, st.memory.mem(l).data());
+            w.add(p + ".c_mem", {st.memory.c_mem_slots(), b, d}, st.memory.c_mem(l).data());
+        }
     }
     w.set_metadata(meta);
     w.commit();
@@ -895,6 +1028,28 @@ checkpoint_files read_checkpoint(const std::string& path) {
     return f;
 }
 
+/// The compressive / XL memory of a checkpoint's state file: [slots, batch, d_model] per layer, slot
+/// counts from the shapes.
+template <class Memory>
+void restore_memory(const checkpoint_files& f, const settings& s, Memory& memory) {
+    const auto slots = [&](const std::string& name) {
+        const auto& t = f.state.at(name);
+        if (t.shape.size() != 3 || t.shape[1] != s.batch || t.shape[2] != s.d_model)
+            fail("--resume: '", name, "' has shape ", mnemo::shape_string(t.shape), ", expected [slots, ", s.batch,
+                 ", ", s.d_model, "]");
+        return index_t(t.shape[0]);
+    };
+    const index_t mem_slots = slots("memory.0.mem"), c_mem_slots = slots("memory.0.c_mem");
+    memory.resize(mem_slots, c_mem_slots);
+    for (index_t l = 0; l < s.n_layers; ++l) {
+        const std::string p = "memory." + std::to_string(l);
+        if (slots(p + ".mem") != mem_slots || slots(p + ".c_mem") != c_mem_slots)
+            fail("--resume: layer ", l, "'s memory holds a different number of slots than layer 0's");
+        f.state.copy_to(p + ".mem", memory.mem_data(l), std::size_t(mem_slots * s.batch * s.d_model));
+        f.state.copy_to(p + ".c_mem", memory.c_mem_data(l), std::size_t(c_mem_slots * s.batch * s.d_model));
+    }
+}
+
 template <class Model>
 void restore_checkpoint(const checkpoint_files& f, Model& model, const settings& s, run_state<Model>& st) {
     auto& ps = model.parameters();
@@ -912,24 +1067,8 @@ void restore_checkpoint(const checkpoint_files& f, Model& model, const settings&
     if (sample_offset.size() != 1 || sample_offset[0] < 0) fail("--resume: trainer.sample_rng must hold one offset");
     st.sample_rng.set_state(st.sample_rng.seed(), std::uint64_t(sample_offset[0]));
 
-    // The memory: [slots, batch, d_model] per layer, slot counts from the shapes.
     st.memory.reset(s.batch, s.seq_len);
-    const auto slots = [&](const std::string& name) {
-        const auto& t = f.state.at(name);
-        if (t.shape.size() != 3 || t.shape[1] != s.batch || t.shape[2] != s.d_model)
-            fail("--resume: '", name, "' has shape ", mnemo::shape_string(t.shape), ", expected [slots, ", s.batch,
-                 ", ", s.d_model, "]");
-        return index_t(t.shape[0]);
-    };
-    const index_t mem_slots = slots("memory.0.mem"), c_mem_slots = slots("memory.0.c_mem");
-    st.memory.resize(mem_slots, c_mem_slots);
-    for (index_t l = 0; l < s.n_layers; ++l) {
-        const std::string p = "memory." + std::to_string(l);
-        if (slots(p + ".mem") != mem_slots || slots(p + ".c_mem") != c_mem_slots)
-            fail("--resume: layer ", l, "'s memory holds a different number of slots than layer 0's");
-        f.state.copy_to(p + ".mem", st.memory.mem_data(l), std::size_t(mem_slots * s.batch * s.d_model));
-        f.state.copy_to(p + ".c_mem", st.memory.c_mem_data(l), std::size_t(c_mem_slots * s.batch * s.d_model));
-    }
+    if constexpr (!ex::is_feedback_model<Model>) restore_memory(f, s, st.memory);
 }
 
 /// The checkpoint's vocabulary (trainer.vocab), and a check that the data is the one it was trained on.
@@ -974,31 +1113,30 @@ run_result train_model(const settings& s, const corpus& c, const checkpoint_file
     const auto seconds_since = [](auto t0) {
         return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     };
-    Model model(mnemo::compressive_options{
-        .vocab = c.vocab.size(), .n_layers = s.n_layers, .d_ff = s.d_ff, .n_pos = s.n_pos});
+    constexpr bool feedback = ex::is_feedback_model<Model>;
+    Model model(model_options<Model>(s, c.vocab.size()));
     model.reset_parameters(s.seed);
     auto& ps = model.parameters();
     trainer_optimizer optimizer(s, ps.size());
-    auto memory = model.make_memory(s.mem_len, s.c_mem_len);
-    memory.reset(s.batch, s.seq_len);
+    auto memory = make_memory(model, s, s.batch);
     segment_streams train = training_streams(c, s);
     const segment_streams valid = validation_streams(c, s);
     mnemo::rng sample_rng(splitmix64(s.seed ^ 0x53414D504C45ull));
     run_state<Model> st{optimizer, memory, train, sample_rng};
     if (resume) {
         restore_checkpoint(*resume, model, s, st);
-        std::printf("resumed from %s at step %" PRId64 " (memory %td + %td compressed slots)\n", s.resume.c_str(),
-                    optimizer.step_count(), memory.mem_slots(), memory.c_mem_slots());
+        std::printf("resumed from %s at step %" PRId64, s.resume.c_str(), optimizer.step_count());
+        if constexpr (!feedback)
+            std::printf(" (memory %td + %td compressed slots)", memory.mem_slots(), memory.c_mem_slots());
+        std::printf("\n");
     }
 
-    const bool xl = s.model == ex::model_kind::xl;
-    const std::string kind = xl ? "Transformer-XL"
-                                : std::string("Compressive Transformer (") + ex::name(s.compression) +
-                                      " compression, rate " + std::to_string(s.rate) + ")";
-    std::printf("model: %s, d_model %td, heads %td, d_ff %td, %td layer%s, n_pos %td, %td parameters\n", kind.c_str(),
-                s.d_model, s.heads, s.d_ff, s.n_layers, s.n_layers == 1 ? "" : "s", s.n_pos, ps.count());
-    std::printf("       seq_len %td, mem_len %td, c_mem_len %td, batch %td; %s lr %g", s.seq_len, s.mem_len,
-                s.c_mem_len, s.batch, s.optimizer.c_str(), s.lr);
+    std::printf("model: %s, d_model %td, heads %td, d_ff %td, %td layer%s, n_pos %td, %td parameters\n",
+                model_description(s).c_str(), s.d_model, s.heads, s.d_ff, s.n_layers, s.n_layers == 1 ? "" : "s",
+                s.n_pos, ps.count());
+    if constexpr (feedback) std::printf("       seq_len %td (each from an empty memory)", s.seq_len);
+    else std::printf("       seq_len %td, mem_len %td, c_mem_len %td", s.seq_len, s.mem_len, s.c_mem_len);
+    std::printf(", batch %td; %s lr %g", s.batch, s.optimizer.c_str(), s.lr);
     if (s.optimizer == "adamw") std::printf(" (%s, warm-up %" PRId64, s.schedule.c_str(), s.warmup);
     else std::printf(" (warm-up %" PRId64, s.warmup);
     std::printf(", weight decay %g)", s.weight_decay);
@@ -1038,7 +1176,7 @@ run_result train_model(const settings& s, const corpus& c, const checkpoint_file
         std::fflush(stdout);
     };
 
-    // The loop: one segment per step, the memory carried; the optimiser's counter is the step.
+    // The loop: one segment per step, the memory carried (feedback: none); the optimiser's counter is the step.
     std::vector<token_t> inputs, targets;
     const std::int64_t first = optimizer.step_count();
     double train_seconds = 0, log_seconds = 0, log_ce = 0, log_ar = 0, log_norm = 0;  // timing excludes validation
@@ -1049,7 +1187,7 @@ run_result train_model(const settings& s, const corpus& c, const checkpoint_file
         const auto t_step = std::chrono::steady_clock::now();
         if (train.next(inputs, targets)) memory.reset(s.batch, s.seq_len);  // a new pass over the text
         ps.zero_grad();
-        const mnemo::segment_losses l = model.train_segment(inputs, targets, s.batch, memory);
+        const mnemo::segment_losses l = run_segment(model, inputs, targets, s.batch, memory, /*train=*/true);
         const double norm = s.clip > 0 ? mnemo::clip_grad_norm(ps, s.clip) : mnemo::grad_norm(ps);
         const double lr = optimizer.lr();
         optimizer.step(ps, lr);

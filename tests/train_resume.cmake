@@ -1,7 +1,8 @@
 # ctest driver for examples/train: training k steps, saving, resuming and training k more steps must
 # give the same checkpoint, byte for byte, as 2k uninterrupted steps (model file and trainer state),
 # across passes over the data (the streams wrap, and the memory is emptied, twice in 80 steps), and
-# on the recall task with validations and samples in between.
+# on the recall task with validations and samples in between; the same for the Feedback Transformer
+# (no memory; its samples run the generator).
 # Then a few bad inputs must fail with their message.
 #   cmake -DTRAIN=<train executable> -DWORK_DIR=<scratch directory> -P train_resume.cmake
 file(REMOVE_RECURSE ${WORK_DIR})
@@ -57,6 +58,27 @@ run(${TRAIN} --resume ${WORK_DIR}/recall_half.safetensors ${busy} --checkpoint $
 same(${WORK_DIR}/recall_full.safetensors ${WORK_DIR}/recall_resumed.safetensors)
 same(${WORK_DIR}/recall_full.safetensors.state.safetensors ${WORK_DIR}/recall_resumed.safetensors.state.safetensors)
 
+# The Feedback Transformer, shared keys/values (its default optimiser, Noam), on the text: every segment
+# from an empty memory; 40 steps of 4 streams × 8 tokens wrap the streams twice (15 segments a pass).
+set(feedback --model feedback-kv --d-model 16 --heads 2 --d-ff 32 --layers 2 --n-pos 16 --seq-len 8 --batch 4
+    --warmup 10)
+run(${TRAIN} --data ${WORK_DIR}/tiny.txt ${feedback} ${quiet} --threads 2 --steps 40 --checkpoint ${WORK_DIR}/fb_full.safetensors)
+run(${TRAIN} --data ${WORK_DIR}/tiny.txt ${feedback} ${quiet} --threads 2 --steps 20 --checkpoint ${WORK_DIR}/fb_half.safetensors)
+run(${TRAIN} --resume ${WORK_DIR}/fb_half.safetensors ${quiet} --threads 1 --steps 40 --checkpoint ${WORK_DIR}/fb_resumed.safetensors)
+same(${WORK_DIR}/fb_full.safetensors ${WORK_DIR}/fb_resumed.safetensors)
+same(${WORK_DIR}/fb_full.safetensors.state.safetensors ${WORK_DIR}/fb_resumed.safetensors.state.safetensors)
+
+# The original Feedback Transformer on the recall task, with validations and samples in between (the
+# recall prompt is longer than n_pos + 1 = 17 tokens, so sampling also restarts the generator).
+set(recall_fb --task recall --model feedback --d-model 16 --heads 2 --d-ff 32 --layers 1 --n-pos 16 --seq-len 8
+    --batch 4 --steps 30)
+run(${TRAIN} ${recall_fb} ${busy} --checkpoint ${WORK_DIR}/recall_fb_full.safetensors)
+run(${TRAIN} ${recall_fb} ${busy} --stop-at 15 --checkpoint ${WORK_DIR}/recall_fb_half.safetensors)
+run(${TRAIN} --resume ${WORK_DIR}/recall_fb_half.safetensors ${busy} --checkpoint ${WORK_DIR}/recall_fb_resumed.safetensors)
+same(${WORK_DIR}/recall_fb_full.safetensors ${WORK_DIR}/recall_fb_resumed.safetensors)
+same(${WORK_DIR}/recall_fb_full.safetensors.state.safetensors
+     ${WORK_DIR}/recall_fb_resumed.safetensors.state.safetensors)
+
 run_fails("checkpoint has d_model 16 but --d-model is 64"
           ${TRAIN} --resume ${WORK_DIR}/half.safetensors ${quiet} --d-model 64)
 run_fails("unknown option '--bogus'" ${TRAIN} --bogus 1)
@@ -65,4 +87,13 @@ run_fails("no compiled-in configuration for d_model 24" ${TRAIN} --d-model 24 --
 file(WRITE ${WORK_DIR}/empty.txt "")
 run_fails("is empty" ${TRAIN} --data ${WORK_DIR}/empty.txt)
 run_fails("the text is too short" ${TRAIN} --data ${WORK_DIR}/tiny.txt --batch 64)
+run_fails("--model feedback carries no memory between segments .*--mem-len must be 0 or left out, got 4"
+          ${TRAIN} --data ${WORK_DIR}/tiny.txt --model feedback --mem-len 4)
+run_fails("--model feedback-kv has no compression: --rate does not apply" ${TRAIN} --model feedback-kv --rate 2)
+run_fails("--n-pos 6 is too small: the last token of a sequence of --seq-len 8 attends over 7"
+          ${TRAIN} --data ${WORK_DIR}/tiny.txt --model feedback-kv --d-model 16 --heads 2 --seq-len 8 --n-pos 6)
+run_fails("checkpoint has model feedback-kv but --model is compressive"
+          ${TRAIN} --resume ${WORK_DIR}/fb_half.safetensors ${quiet} --model compressive)
+run_fails("no compiled-in configuration for d_model 24, heads 2\\. Supported \\(the compression rate does not matter"
+          ${TRAIN} --model feedback --d-model 24 --heads 2 --steps 1)
 message(STATUS "train_resume: resumed runs identical to the uninterrupted ones")

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Checks mnemo_eval against its PyTorch twin tools/reference_eval.py on random checkpoints.
+# Checks mnemo_eval against its PyTorch twins on random checkpoints: tools/reference_eval.py for the
+# Compressive Transformer and Transformer-XL, tools/reference/feedback.py for the Feedback Transformers.
 #
 #   tools/check_eval_parity.sh            (after building: cmake --build build --target mnemo_eval)
 #   MNEMO_EVAL=path/to/mnemo_eval PYTHON=/usr/bin/python3 tools/check_eval_parity.sh
@@ -9,7 +10,8 @@
 # relative error of logits, ce_loss and ar_loss. mnemo runs in float32 and the reference in float64,
 # so the tolerances are float32-sized: |mnemo − ref| <= atol + rtol·|ref| with
 #   logits   atol 1e-4  rtol 1e-4    (values of a few units; float32 rounding over a few layers and
-#                                     segments of carried, compressed memory)
+#                                     segments of carried, compressed memory, or the feedback recurrence
+#                                     over a segment's steps)
 #   ce_loss  atol 1e-5  rtol 1e-5    (a mean over many positions: its rounding errors average out)
 #   ar_loss  atol 1e-5  rtol 1e-4    (a mean of squared differences, relative error of its terms)
 # Needs a python with torch (Debian's python3-torch).
@@ -75,13 +77,15 @@ check() {
     "$python" "$root/tools/make_random_checkpoint.py" $make_flags --checkpoint "$dir/w.safetensors" \
         --tokens "$dir/t.safetensors"
     local common="--checkpoint $dir/w.safetensors --tokens $dir/t.safetensors $eval_flags"
+    local reference=$root/tools/reference_eval.py
+    [[ $eval_flags == *"--model feedback"* ]] && reference=$root/tools/reference/feedback.py
     # shellcheck disable=SC2086
     if ! "$eval_bin" $common --out "$dir/mnemo.safetensors" >"$dir/mnemo.log" 2>&1; then
         echo "FAIL $name: mnemo_eval failed:"; sed 's/^/    /' "$dir/mnemo.log"; failures=$((failures + 1)); return
     fi
     # shellcheck disable=SC2086
-    if ! "$python" "$root/tools/reference_eval.py" $common --out "$dir/ref.safetensors" >"$dir/ref.log" 2>&1; then
-        echo "FAIL $name: reference_eval.py failed:"; sed 's/^/    /' "$dir/ref.log"; failures=$((failures + 1)); return
+    if ! "$python" "$reference" $common --out "$dir/ref.safetensors" >"$dir/ref.log" 2>&1; then
+        echo "FAIL $name: $(basename "$reference") failed:"; sed 's/^/    /' "$dir/ref.log"; failures=$((failures + 1)); return
     fi
     if out=$(MNEMO_ROOT=$root compare "$dir/mnemo.safetensors" "$dir/ref.safetensors"); then
         echo "ok   $name ($eval_flags)"
@@ -123,6 +127,23 @@ check mean_64_4_2 "--vocab 30 --d-model 64 --heads 4 --d-ff 96 --n-layers 3 --co
 # Max pooling of a conv checkpoint: the conv weights are ignored, the rate comes from their kernel.
 check max_of_conv_12_3_3 "--vocab 7 --d-model 12 --heads 3 --d-ff 20 --n-layers 2 --compression-rate 3 --n-pos 16 --batch 1 --n-tokens 25 --seed 10" \
     "--model compressive --compression max --seq-len 4 --mem-len 2 --c-mem-len 3"
+
+# Feedback Transformers: every segment from an empty memory.
+# Tiny, plain variant: segments of n_pos + 1 = 8 tokens (every table row but row P is read), batch 3.
+check feedback_16_2 "--model feedback --vocab 11 --d-model 16 --heads 2 --d-ff 24 --n-layers 2 --n-pos 7 --batch 3 --n-tokens 41 --seed 21" \
+    "--model feedback --seq-len 8"
+# Shared keys/values, 3 layers; the memory flags given as 0 (accepted by both); leftover tokens ignored.
+check feedback_kv_64_4 "--model feedback-kv --vocab 30 --d-model 64 --heads 4 --d-ff 96 --n-layers 3 --n-pos 32 --batch 2 --n-tokens 40 --seed 22 --std 0.15" \
+    "--model feedback-kv --seq-len 12 --mem-len 0 --c-mem-len 0"
+# The reference experiment's text size (vocabulary 65, d_model 128), longer segments.
+check feedback_128_4 "--model feedback --vocab 65 --d-model 128 --heads 4 --d-ff 256 --n-layers 2 --n-pos 64 --batch 2 --n-tokens 97 --seed 23 --std 0.1" \
+    "--model feedback --seq-len 32"
+# The reference feedback experiment's width: d_model 512, 8 heads, d_ff 2048 (2 layers here).
+check feedback_kv_512_8 "--model feedback-kv --vocab 65 --d-model 512 --heads 8 --d-ff 2048 --n-layers 2 --n-pos 32 --batch 2 --n-tokens 33 --seed 24 --std 0.04" \
+    "--model feedback-kv --seq-len 16"
+# 3 heads of 4, F64 weights and I32 tokens (converted on load).
+check feedback_12_3 "--model feedback --vocab 7 --d-model 12 --heads 3 --d-ff 20 --n-layers 3 --n-pos 16 --batch 2 --n-tokens 36 --seed 25 --dtype f64 --token-dtype i32" \
+    "--model feedback --seq-len 7"
 
 echo "check_eval_parity: $((n_cases - failures)) of $n_cases configurations agree"
 [[ $failures -eq 0 ]]

@@ -35,11 +35,14 @@ steps with torch autograd: slow, but transparent. Works in any floating dtype; t
 As a script, evaluates a checkpoint on token sequences (the Python twin of `mnemo_eval --model feedback`):
 
     feedback.py --model feedback|feedback-kv --checkpoint W.safetensors --tokens T.safetensors
-                --out O.safetensors --seq-len N [--n-pos P]
+                --out O.safetensors --seq-len N [--n-pos P] [--mem-len 0] [--c-mem-len 0]
 
 T.safetensors holds `tokens` [batch, n_tokens] (I64 or I32). Sequence s reads tokens[:, s·N : s·N + N] and
 predicts tokens[:, s·N + 1 : s·N + N + 1]; each sequence starts from an empty memory (no memory is carried
-between sequences). O.safetensors: logits F32 [n_sequences, batch, N, vocab], ce_loss F32 [n_sequences].
+between sequences, so --mem-len and --c-mem-len, accepted for a uniform command line, must be 0).
+O.safetensors: logits F32 [n_sequences, batch, N, vocab], ce_loss F32 [n_sequences], and ar_loss F32
+[n_sequences], all zeros (the model has no reconstruction loss), so that the file has the same tensors as
+mnemo_eval's and tools/reference_eval.py's.
 """
 import argparse
 import math
@@ -278,8 +281,13 @@ def main(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--n-pos", type=int, default=None, help="default: the checkpoint's (key_pos_bias rows)")
+    p.add_argument("--mem-len", type=int, default=0, help="0: no memory is carried (accepted for uniformity)")
+    p.add_argument("--c-mem-len", type=int, default=0, help="0: no compressed memory (accepted for uniformity)")
     args = p.parse_args(argv)
     try:
+        if args.mem_len != 0 or args.c_mem_len != 0:
+            raise ValueError("the Feedback Transformer carries no memory between sequences: "
+                             "--mem-len and --c-mem-len must be 0")
         sd, _ = st.load(args.checkpoint)
         tok, _ = st.load(args.tokens)
         if "tokens" not in tok or tok["tokens"].dtype not in (torch.int64, torch.int32):
@@ -288,9 +296,9 @@ def main(argv=None):
     except (ValueError, KeyError) as e:
         print(f"feedback.py: error: {e}", file=sys.stderr)
         return 1
-    st.save(args.out, {"logits": logits.float(), "ce_loss": ce.float()})
-    for s in range(ce.shape[0]):
-        print(f"sequence {s}: ce {ce[s].item():.6f}")
+    st.save(args.out, {"logits": logits.float(), "ce_loss": ce.float(), "ar_loss": torch.zeros_like(ce).float()})
+    for s in range(ce.shape[0]):  # the same lines as mnemo_eval, so the two can be diffed
+        print(f"segment {s}: ce {ce[s].item():.6f} ar 0")
     return 0
 
 

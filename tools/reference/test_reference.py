@@ -11,7 +11,7 @@
     reconstruction loss with respect to the compression conv;
 (c) the attention-reconstruction loss gives zero gradient to every parameter except compress.conv.*;
 (d) a safetensors round trip (every supported dtype, metadata, empty and 0-d tensors, byte-stable);
-plus the state_dict names, the memory merge rules, and the reference_eval CLI end to end.
+plus the state_dict names, the memory merge rules, and the reference_eval and feedback.py CLIs end to end.
 """
 import math
 import os
@@ -26,6 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import compressive as C  # noqa: E402
+import feedback as FB  # noqa: E402
 import safetensors_io as st  # noqa: E402
 
 torch.set_default_dtype(torch.float64)
@@ -318,6 +319,34 @@ def test_eval_cli():
     print("reference_eval CLI: ok")
 
 
+def test_feedback_eval_cli():
+    tools = os.path.dirname(HERE)
+    with tempfile.TemporaryDirectory() as d:
+        ckpt, toks, out = (os.path.join(d, n) for n in ("w.safetensors", "t.safetensors", "o.safetensors"))
+        subprocess.run([sys.executable, os.path.join(tools, "make_random_checkpoint.py"), "--model", "feedback-kv",
+                        "--vocab", "9", "--d-model", "8", "--heads", "2", "--d-ff", "12", "--n-layers", "2",
+                        "--n-pos", "5", "--batch", "3", "--n-tokens", "14", "--seed", "6", "--checkpoint", ckpt,
+                        "--tokens", toks], check=True)
+        subprocess.run([sys.executable, os.path.join(HERE, "feedback.py"), "--model", "feedback-kv",
+                        "--checkpoint", ckpt, "--tokens", toks, "--out", out, "--seq-len", "6", "--mem-len", "0"],
+                       check=True, stdout=subprocess.DEVNULL)
+        wrong = subprocess.run([sys.executable, os.path.join(HERE, "feedback.py"), "--model", "feedback",
+                                "--checkpoint", ckpt, "--tokens", toks, "--out", out, "--seq-len", "6"],
+                               capture_output=True, text=True)
+        res, _ = st.load(out)
+        sd, _ = st.load(ckpt)
+        tokens = st.load(toks)[0]["tokens"]
+    assert wrong.returncode == 1 and "not a feedback (per-layer attn.key) model" in wrong.stderr
+    assert res["logits"].shape == (2, 3, 6, 9) and res["logits"].dtype == torch.float32
+    assert res["ce_loss"].shape == (2,) and torch.equal(res["ar_loss"], torch.zeros(2))
+    # Segment 1 from an empty memory, recomputed directly.
+    model = FB.load_model(sd, FB.config_from_state_dict(sd, kv_shared=True))
+    with torch.no_grad():
+        logits = model(tokens[:, 6:12].t())
+    assert torch.allclose(res["logits"][1].double(), logits.transpose(0, 1), atol=1e-5)
+    print("feedback.py CLI: ok")
+
+
 if __name__ == "__main__":
     test_positional_term()
     test_gradcheck_forward()
@@ -327,4 +356,5 @@ if __name__ == "__main__":
     test_memory_rules()
     test_segment_consistency()
     test_eval_cli()
+    test_feedback_eval_cli()
     print("all reference checks passed")

@@ -3,7 +3,8 @@
 # "eval_error.*") with the PyTorch reference, so those tests need no Python:
 #   <case>_checkpoint.safetensors  random weights (tools/make_random_checkpoint.py)
 #   <case>_tokens.safetensors      random tokens
-#   <case>_expected.safetensors    tools/reference_eval.py's output (computed in float64, stored F32)
+#   <case>_expected.safetensors    tools/reference_eval.py's output (tools/reference/feedback.py's for
+#                                  the feedback cases; computed in float64, stored F32)
 # plus small broken inputs for the error-message tests. Run from anywhere: tests/golden/eval/regenerate.sh
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -26,6 +27,22 @@ cd "$here"
     --checkpoint xl_checkpoint.safetensors --tokens xl_tokens.safetensors
 "$python" "$tools/reference_eval.py" --model xl --checkpoint xl_checkpoint.safetensors \
     --tokens xl_tokens.safetensors --out xl_expected.safetensors --seq-len 5 --mem-len 7 --c-mem-len 0
+
+# Feedback Transformer (per-layer keys/values), d_model 16, 2 heads, 2 layers, n_pos 8: 3 segments of 6
+# over a batch of 2, each from an empty memory; one token left over after the last segment.
+"$python" "$tools/make_random_checkpoint.py" --model feedback --vocab 11 --d-model 16 --heads 2 --d-ff 24 \
+    --n-layers 2 --n-pos 8 --batch 2 --n-tokens 20 --seed 14 \
+    --checkpoint feedback_checkpoint.safetensors --tokens feedback_tokens.safetensors
+"$python" "$tools/reference/feedback.py" --model feedback --checkpoint feedback_checkpoint.safetensors \
+    --tokens feedback_tokens.safetensors --out feedback_expected.safetensors --seq-len 6
+
+# Feedback Transformer with shared keys/values, I32 tokens, batch 3: 3 segments of 9 = n_pos + 1 tokens,
+# so the last step reads every row of the positional tables but row P.
+"$python" "$tools/make_random_checkpoint.py" --model feedback-kv --vocab 11 --d-model 16 --heads 2 --d-ff 24 \
+    --n-layers 2 --n-pos 8 --batch 3 --n-tokens 28 --seed 15 --token-dtype i32 \
+    --checkpoint feedback_kv_checkpoint.safetensors --tokens feedback_kv_tokens.safetensors
+"$python" "$tools/reference/feedback.py" --model feedback-kv --checkpoint feedback_kv_checkpoint.safetensors \
+    --tokens feedback_kv_tokens.safetensors --out feedback_kv_expected.safetensors --seq-len 9
 
 # Broken inputs, each with one fault.
 "$python" - "$tools/reference" <<'PY'
@@ -62,6 +79,10 @@ st.save("wrong_shape_checkpoint.safetensors",
 # A tensor no model declares (as from a file saved with optimizer state), in a Transformer-XL checkpoint.
 xl, xl_meta = st.load("xl_checkpoint.safetensors")
 st.save("unexpected_tensor_checkpoint.safetensors", {**xl, "optimizer.step": torch.tensor([3.0])}, xl_meta)
+# A feedback checkpoint with a tensor its model lacks (the feedback models read no compress.* weights).
+fb, fb_meta = st.load("feedback_checkpoint.safetensors")
+st.save("feedback_extra_checkpoint.safetensors",
+        {**fb, "transformer.layers.0.compress.conv.weight": torch.zeros(16, 16, 2)}, fb_meta)
 # A token outside the vocabulary (11).
 tok, _ = st.load("compressive_tokens.safetensors")
 bad = tok["tokens"].clone()
