@@ -99,6 +99,16 @@ inline void check_eps(double eps, const char* who) {
 inline void check_weight_decay(double wd, const char* who) {
     MNEMO_CHECK(std::isfinite(wd) && wd >= 0.0, who, ": weight_decay must be finite and >= 0, got ", wd);
 }
+
+/// The hyper-parameters every Adam-family optimizer shares (lr, betas, eps, weight_decay).
+template <class Options>
+inline void check_adam_options(const Options& o, const char* who) {
+    check_lr(o.lr, who);
+    check_beta(o.beta1, who, "beta1");
+    check_beta(o.beta2, who, "beta2");
+    check_eps(o.eps, who);
+    check_weight_decay(o.weight_decay, who);
+}
 inline void check_size(index_t n, const char* who) {
     MNEMO_CHECK(n >= 0, who, ": the number of elements must be >= 0, got ", n);
 }
@@ -205,11 +215,7 @@ public:
     using detail::optim::step_overloads<adamw<T>, T>::step;
 
     explicit adamw(index_t n, adamw_options options = {}) : adam_state<T>(n, "adamw"), o_(options) {
-        detail::optim::check_lr(o_.lr, "adamw");
-        detail::optim::check_beta(o_.beta1, "adamw", "beta1");
-        detail::optim::check_beta(o_.beta2, "adamw", "beta2");
-        detail::optim::check_eps(o_.eps, "adamw");
-        detail::optim::check_weight_decay(o_.weight_decay, "adamw");
+        detail::optim::check_adam_options(o_, "adamw");
     }
 
     const adamw_options& options() const { return o_; }
@@ -261,11 +267,7 @@ public:
     using detail::optim::step_overloads<adam<T>, T>::step;
 
     explicit adam(index_t n, adam_options options = {}) : adam_state<T>(n, "adam"), o_(options) {
-        detail::optim::check_lr(o_.lr, "adam");
-        detail::optim::check_beta(o_.beta1, "adam", "beta1");
-        detail::optim::check_beta(o_.beta2, "adam", "beta2");
-        detail::optim::check_eps(o_.eps, "adam");
-        detail::optim::check_weight_decay(o_.weight_decay, "adam");
+        detail::optim::check_adam_options(o_, "adam");
     }
 
     const adam_options& options() const { return o_; }
@@ -408,11 +410,7 @@ public:
 
     explicit labml_adam(index_t n, labml_adam_options options = {})
         : adam_state<T>(n, "labml_adam"), o_(options) {
-        detail::optim::check_lr(o_.lr, "labml_adam");
-        detail::optim::check_beta(o_.beta1, "labml_adam", "beta1");
-        detail::optim::check_beta(o_.beta2, "labml_adam", "beta2");
-        detail::optim::check_eps(o_.eps, "labml_adam");
-        detail::optim::check_weight_decay(o_.weight_decay, "labml_adam");
+        detail::optim::check_adam_options(o_, "labml_adam");
     }
 
     const labml_adam_options& options() const { return o_; }
