@@ -1,7 +1,10 @@
 #pragma once
-// Counts the heap allocations of a test binary: replaces the global operator new/delete (so include
-// this header from exactly ONE translation unit of a test executable) and counts while a window
-// opened by count_allocations is open. Used by the steady-state "no allocation" tests.
+// Counts the heap allocations of a test binary: replaces the global operator new/delete AND the C
+// allocation functions (malloc, calloc, realloc, aligned_alloc, posix_memalign, memalign), so
+// allocations made by Eigen (which uses malloc for its packing buffers), libgomp or libstdc++ count
+// too. Include this header from exactly ONE translation unit of a test executable. It counts while a
+// window opened by count_allocations is open. Used by the steady-state "no allocation" tests.
+// The replacements forward to glibc's __libc_* entry points.
 #include <atomic>
 #include <cstdlib>
 #include <new>
@@ -15,7 +18,11 @@ namespace mnemo::testing {
 inline std::atomic<bool> counting_allocations{false};
 inline std::atomic<long> allocation_count{0};
 
-/// Runs f() and returns the number of operator new calls it made (on any thread).
+inline void note_allocation() {
+    if (counting_allocations.load(std::memory_order_relaxed)) allocation_count.fetch_add(1, std::memory_order_relaxed);
+}
+
+/// Runs f() and returns the number of heap allocations (operator new or malloc family) it made, on any thread.
 template <class F>
 long count_allocations(F&& f) {
     allocation_count = 0;
@@ -26,20 +33,54 @@ long count_allocations(F&& f) {
 }
 }  // namespace mnemo::testing
 
+extern "C" {
+void* __libc_malloc(std::size_t);
+void* __libc_calloc(std::size_t, std::size_t);
+void* __libc_realloc(void*, std::size_t);
+void* __libc_memalign(std::size_t, std::size_t);
+void __libc_free(void*);
+
+void* malloc(std::size_t n) noexcept {
+    mnemo::testing::note_allocation();
+    return __libc_malloc(n);
+}
+void* calloc(std::size_t n, std::size_t size) noexcept {
+    mnemo::testing::note_allocation();
+    return __libc_calloc(n, size);
+}
+void* realloc(void* p, std::size_t n) noexcept {
+    mnemo::testing::note_allocation();
+    return __libc_realloc(p, n);
+}
+void* aligned_alloc(std::size_t al, std::size_t n) noexcept {
+    mnemo::testing::note_allocation();
+    return __libc_memalign(al, n);
+}
+void* memalign(std::size_t al, std::size_t n) noexcept {
+    mnemo::testing::note_allocation();
+    return __libc_memalign(al, n);
+}
+int posix_memalign(void** out, std::size_t al, std::size_t n) noexcept {
+    mnemo::testing::note_allocation();
+    void* p = __libc_memalign(al, n);
+    if (!p) return 12;  // ENOMEM
+    *out = p;
+    return 0;
+}
+}
+
 void* operator new(std::size_t n) {
-    if (mnemo::testing::counting_allocations.load(std::memory_order_relaxed))
-        mnemo::testing::allocation_count.fetch_add(1, std::memory_order_relaxed);
-    if (void* p = std::malloc(n ? n : 1)) return p;
+    mnemo::testing::note_allocation();
+    if (void* p = __libc_malloc(n ? n : 1)) return p;
     throw std::bad_alloc();
 }
 void* operator new(std::size_t n, std::align_val_t a) {
-    if (mnemo::testing::counting_allocations.load(std::memory_order_relaxed))
-        mnemo::testing::allocation_count.fetch_add(1, std::memory_order_relaxed);
+    mnemo::testing::note_allocation();
     const std::size_t al = static_cast<std::size_t>(a);
-    if (void* p = std::aligned_alloc(al, (n + al - 1) / al * al)) return p;
+    if (void* p = __libc_memalign(al, n ? n : 1)) return p;
     throw std::bad_alloc();
 }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p) noexcept { __libc_free(p); }
+void operator delete(void* p, std::size_t) noexcept { __libc_free(p); }
+void operator delete(void* p, std::align_val_t) noexcept { __libc_free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { __libc_free(p); }

@@ -1,7 +1,10 @@
 // Forward and backward of every layer allocate nothing once their buffers have grown to the batch
-// shape (the steady state). Counts every operator new in this binary while a window is open.
+// shape (the steady state), and neither does a whole training or generation step of a model. Counts
+// every operator new and malloc in this binary while a window is open.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <vector>
 
 #include <mnemo/mnemo.hpp>
@@ -51,4 +54,76 @@ TEST_CASE("layers: a steady-state forward and backward performs no heap allocati
 
     // The counter works: a vector allocated inside the window is seen.
     CHECK(mnemo::testing::count_allocations([] { std::vector<float> grow(1000); }) >= 1);
+}
+
+TEST_CASE("the counter sees malloc too (Eigen's and libgomp's allocations are not operator new)") {
+    CHECK(mnemo::testing::count_allocations([] {
+              void* volatile p = std::malloc(1 << 20);
+              std::free(p);
+          }) >= 1);
+}
+
+namespace {
+using alloc_cfg = mnemo::config<64, 4, 2>;
+using alloc_model = mnemo::compressive_transformer<float, alloc_cfg>;
+constexpr mnemo::index_t alloc_seq = 8, alloc_batch = 4, alloc_vocab = 29;
+
+std::vector<mnemo::token_t> alloc_tokens(std::uint64_t seed, std::size_t n) {
+    mnemo::rng r(seed);
+    std::vector<mnemo::token_t> t(n);
+    for (auto& x : t) x = mnemo::token_t(r.next_u32() % alloc_vocab);
+    return t;
+}
+}  // namespace
+
+// The whole training step of the performance issue, in steady state (memory and compressed memory
+// full, so every step compresses and computes the reconstruction loss): forward, memory merge, CE + AR,
+// backward, gradient clipping and AdamW. GEMMs are large enough here to be split over two threads.
+TEST_CASE("compressive transformer: a steady-state training step performs no heap allocation") {
+    alloc_model model({.vocab = alloc_vocab, .n_layers = 2, .d_ff = 128, .n_pos = 256});
+    model.reset_parameters(3);
+    auto mem = model.make_memory(16, 16);
+    mem.reset(alloc_batch, alloc_seq);
+    auto& ps = model.parameters();
+    mnemo::adamw<float> opt(ps.size(), {.lr = 1e-3});
+    const auto tokens = alloc_tokens(1, alloc_seq * alloc_batch), targets = alloc_tokens(2, alloc_seq * alloc_batch);
+    mnemo::segment_losses l;
+    auto step = [&] {
+        ps.zero_grad();
+        l = model.train_segment(tokens, targets, alloc_batch, mem);
+        mnemo::clip_grad_norm(ps, 1.0);
+        opt.step(ps);
+    };
+    for (int i = 0; i < 8; ++i) step();  // fills memory (16) and compressed memory (16 slots = 32 at c = 2)
+    REQUIRE(mem.mem_slots() == 16);
+    REQUIRE(mem.c_mem_slots() == 16);
+    REQUIRE(l.compressed > 0);
+    CHECK(mnemo::testing::count_allocations([&] {
+              for (int i = 0; i < 3; ++i) step();
+          }) == 0);
+    CHECK(l.ar > 0);
+}
+
+// Streaming generation: one token per step through forward, memory merge (compressing every c
+// tokens) and a greedy choice.
+TEST_CASE("compressive transformer: a steady-state generation step performs no heap allocation") {
+    alloc_model model({.vocab = alloc_vocab, .n_layers = 2, .d_ff = 128, .n_pos = 256});
+    model.reset_parameters(4);
+    auto mem = model.make_memory(16, 16);
+    mem.reset(1, alloc_seq);
+    const auto prime = alloc_tokens(5, alloc_seq);
+    for (int i = 0; i < 6; ++i) {
+        model.forward(prime, 1, mem);
+        model.update_memory(mem);
+    }
+    std::vector<mnemo::token_t> tok = {1};
+    auto step = [&] {
+        auto logits = model.forward(tok, 1, mem);
+        model.update_memory(mem);
+        tok[0] = mnemo::token_t(std::max_element(logits.row(0), logits.row(0) + logits.cols()) - logits.row(0));
+    };
+    for (int i = 0; i < 4; ++i) step();
+    CHECK(mnemo::testing::count_allocations([&] {
+              for (int i = 0; i < 8; ++i) step();
+          }) == 0);
 }

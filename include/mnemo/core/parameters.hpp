@@ -6,6 +6,7 @@
 //
 // Each tensor starts on a 64-byte boundary; the gaps are zero in every buffer and stay zero under
 // every optimizer (their gradient is zero), so whole-buffer loops need no special cases.
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <unordered_map>
@@ -88,10 +89,19 @@ public:
         return n;
     }
 
-    T* values() { return checked(values_).data(); }
+    /// Mutable access to every value counts as a change: version() moves on, so caches derived from
+    /// the parameters (the generation cache of a model's projected memory) know to rebuild. Write
+    /// through param::value() instead and call mark_changed() yourself.
+    T* values() {
+        ++version_;
+        return checked(values_).data();
+    }
     const T* values() const { return checked(values_).data(); }
     T* grads() { return checked(grads_).data(); }
     const T* grads() const { return checked(grads_).data(); }
+    /// Counter of changes to the values (see values()); equal counters mean unchanged parameters.
+    std::uint64_t version() const { return version_; }
+    void mark_changed() { ++version_; }
     void zero_grad() { std::memset(grads(), 0, sizeof(T) * static_cast<std::size_t>(total_)); }
 
     const std::vector<tensor_entry>& entries() const { return entries_; }
@@ -101,7 +111,7 @@ public:
         return it == index_.end() ? nullptr : &entries_[static_cast<std::size_t>(it->second)];
     }
 
-    T* value_ptr(index_t i) { return values() + entries_[static_cast<std::size_t>(i)].offset; }
+    T* value_ptr(index_t i) { return checked(values_).data() + entries_[static_cast<std::size_t>(i)].offset; }
     T* grad_ptr(index_t i) { return grads() + entries_[static_cast<std::size_t>(i)].offset; }
 
 private:
@@ -120,6 +130,7 @@ private:
     std::unordered_map<std::string, index_t> index_;
     index_t total_ = 0;
     bool allocated_ = false;
+    std::uint64_t version_ = 0;
     aligned_vector<T> values_;
     aligned_vector<T> grads_;
 };

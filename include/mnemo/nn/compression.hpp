@@ -28,8 +28,10 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <type_traits>
 
+#include "../core/parallel.hpp"
 #include "../core/buffer.hpp"
 #include "../core/rng.hpp"
 #include "module.hpp"
@@ -46,8 +48,8 @@ struct compression {
     template <std::size_t Rate, class T>
     static void im2col_time(index_t out_rows, index_t batch, index_t d, const T* mem, index_t ldm, T* x) {
         constexpr index_t c = static_cast<index_t>(Rate);
-#pragma omp parallel for schedule(static) if (out_rows * d * c >= 65536)
-        for (index_t r = 0; r < out_rows; ++r) {
+        parallel_range(out_rows, out_rows * d * c >= 65536, [&](index_t r_begin, index_t r_end) {
+        for (index_t r = r_begin; r < r_end; ++r) {
             const index_t s = r / batch, b = r % batch;
             T* xr = x + r * d * c;
             for (index_t t = 0; t < c; ++t) {
@@ -55,14 +57,15 @@ struct compression {
                 for (index_t i = 0; i < d; ++i) xr[i * c + t] = m[i];
             }
         }
+        });
     }
 
     /// The inverse of im2col_time: d_mem[(s·Rate + t)·batch + b, i] = dx[r, i·Rate + t] (assigned).
     template <std::size_t Rate, class T>
     static void col2im_time(index_t out_rows, index_t batch, index_t d, const T* dx, T* d_mem, index_t ldm) {
         constexpr index_t c = static_cast<index_t>(Rate);
-#pragma omp parallel for schedule(static) if (out_rows * d * c >= 65536)
-        for (index_t r = 0; r < out_rows; ++r) {
+        parallel_range(out_rows, out_rows * d * c >= 65536, [&](index_t r_begin, index_t r_end) {
+        for (index_t r = r_begin; r < r_end; ++r) {
             const index_t s = r / batch, b = r % batch;
             const T* xr = dx + r * d * c;
             for (index_t t = 0; t < c; ++t) {
@@ -70,6 +73,7 @@ struct compression {
                 for (index_t i = 0; i < d; ++i) m[i] = xr[i * c + t];
             }
         }
+        });
     }
 
     /// out[r, i] = max_t mem[(s·Rate + t)·batch + b, i]; arg[r·d + i] = the first t attaining it.
@@ -77,8 +81,8 @@ struct compression {
     static void max_pool_time_forward(index_t out_rows, index_t batch, index_t d, const T* mem, index_t ldm, T* out,
                                       index_t ldo, I* arg) {
         constexpr index_t c = static_cast<index_t>(Rate);
-#pragma omp parallel for schedule(static) if (out_rows * d * c >= 65536)
-        for (index_t r = 0; r < out_rows; ++r) {
+        parallel_range(out_rows, out_rows * d * c >= 65536, [&](index_t r_begin, index_t r_end) {
+        for (index_t r = r_begin; r < r_end; ++r) {
             const index_t s = r / batch, b = r % batch;
             T* o = out + r * ldo;
             I* a = arg + r * d;
@@ -97,6 +101,7 @@ struct compression {
                 }
             }
         }
+        });
     }
 
     /// d_mem[(s·Rate + t)·batch + b, i] = d_out[r, i] where t = arg[r·d + i], else 0 (assigned).
@@ -104,8 +109,8 @@ struct compression {
     static void max_pool_time_backward(index_t out_rows, index_t batch, index_t d, const T* d_out, index_t ldo,
                                        const I* arg, T* d_mem, index_t ldm) {
         constexpr index_t c = static_cast<index_t>(Rate);
-#pragma omp parallel for schedule(static) if (out_rows * d * c >= 65536)
-        for (index_t r = 0; r < out_rows; ++r) {
+        parallel_range(out_rows, out_rows * d * c >= 65536, [&](index_t r_begin, index_t r_end) {
+        for (index_t r = r_begin; r < r_end; ++r) {
             const index_t s = r / batch, b = r % batch;
             const T* g = d_out + r * ldo;
             const I* a = arg + r * d;
@@ -114,6 +119,7 @@ struct compression {
                 for (index_t i = 0; i < d; ++i) m[i] = static_cast<index_t>(a[i]) == t ? g[i] : T(0);
             }
         }
+        });
     }
 
     /// out[r, i] = (Σ_t mem[(s·Rate + t)·batch + b, i]) / Rate, summed in t order.
@@ -122,8 +128,8 @@ struct compression {
                                        index_t ldo) {
         constexpr index_t c = static_cast<index_t>(Rate);
         const T divisor = static_cast<T>(c);
-#pragma omp parallel for schedule(static) if (out_rows * d * c >= 65536)
-        for (index_t r = 0; r < out_rows; ++r) {
+        parallel_range(out_rows, out_rows * d * c >= 65536, [&](index_t r_begin, index_t r_end) {
+        for (index_t r = r_begin; r < r_end; ++r) {
             const index_t s = r / batch, b = r % batch;
             T* o = out + r * ldo;
             const T* m0 = mem + (s * c * batch + b) * ldm;
@@ -134,6 +140,7 @@ struct compression {
             }
             for (index_t i = 0; i < d; ++i) o[i] /= divisor;
         }
+        });
     }
 
     /// d_mem[(s·Rate + t)·batch + b, i] = d_out[r, i] / Rate for every t (assigned).
@@ -142,8 +149,8 @@ struct compression {
                                         T* d_mem, index_t ldm) {
         constexpr index_t c = static_cast<index_t>(Rate);
         const T divisor = static_cast<T>(c);
-#pragma omp parallel for schedule(static) if (out_rows * d * c >= 65536)
-        for (index_t r = 0; r < out_rows; ++r) {
+        parallel_range(out_rows, out_rows * d * c >= 65536, [&](index_t r_begin, index_t r_end) {
+        for (index_t r = r_begin; r < r_end; ++r) {
             const index_t s = r / batch, b = r % batch;
             const T* g = d_out + r * ldo;
             for (index_t t = 0; t < c; ++t) {
@@ -151,6 +158,7 @@ struct compression {
                 for (index_t i = 0; i < d; ++i) m[i] = g[i] / divisor;
             }
         }
+        });
     }
 };
 
@@ -175,7 +183,7 @@ struct compression_shape {
     static std::string who(const char* kind, const std::string& name) { return std::string(kind) + " '" + name + "'"; }
 
     /// Memory rows → compressed rows, after checking batch > 0 and rows a multiple of Rate·batch.
-    static index_t compressed_rows(const std::string& who, index_t mem_rows, index_t batch) {
+    static index_t compressed_rows(std::string_view who, index_t mem_rows, index_t batch) {
         MNEMO_CHECK(batch > 0, who, ": batch must be positive, got ", batch);
         const index_t window = static_cast<index_t>(Rate) * batch;
         MNEMO_CHECK(mem_rows >= 0 && mem_rows % window == 0, who, ": memory has ", mem_rows,

@@ -30,6 +30,7 @@
 #include <string>
 #include <type_traits>
 
+#include "../core/parallel.hpp"
 #include "../core/buffer.hpp"
 #include "../core/rng.hpp"
 #include "../kernels/cpu/softmax.hpp"
@@ -116,9 +117,9 @@ public:
         const T* r_win = r_.value() + (n_pos_ - t) * D;  // R[P − t + j] for j = 0 … t − 1
         const T* s_win = s_.value() + (n_pos_ - t) * H;
         T* attn = cache.attn;
-#pragma omp parallel for schedule(static) collapse(2) if (batch * H * t >= 4096)
-        for (index_t b = 0; b < batch; ++b) {
-            for (index_t h = 0; h < H; ++h) {
+        parallel_range(batch * H, batch * H * t >= 4096, [&](index_t bh_begin, index_t bh_end) {
+            for (index_t bh = bh_begin; bh < bh_end; ++bh) {
+                const index_t b = bh / H, h = bh % H;
                 T* a = attn + (b * H + h) * t;  // [t]
                 const index_t off = b * D + h * Dk;
                 const T *qb = q.data() + off, *qub = qu.data() + off, *k0 = keys.at(0, b) + h * Dk,
@@ -130,7 +131,7 @@ public:
                 for (index_t d = 0; d < Dk; ++d) c[d] = T(0);
                 for (index_t j = 0; j < t; ++j) axpy(a[j], v0 + j * values.slot_stride, c);
             }
-        }
+        });
         output_.forward(ctx, out);
     }
 
@@ -156,9 +157,9 @@ public:
         const T* r_win = r_.value() + (n_pos_ - t) * D;
         const T* attn = cache.attn;
         T* d_scores = d_scores_.ensure(attn_size(batch, t));  // [B, H, t]
-#pragma omp parallel for schedule(static) collapse(2) if (batch * H * t >= 4096)
-        for (index_t b = 0; b < batch; ++b) {
-            for (index_t h = 0; h < H; ++h) {
+        parallel_range(batch * H, batch * H * t >= 4096, [&](index_t bh_begin, index_t bh_end) {
+            for (index_t bh = bh_begin; bh < bh_end; ++bh) {
+                const index_t b = bh / H, h = bh % H;
                 const T* a = attn + (b * H + h) * t;
                 T* ds = d_scores + (b * H + h) * t;
                 const index_t off = b * D + h * Dk;
@@ -178,7 +179,7 @@ public:
                     axpy(ds[j], r0 + j * D, dq);                      // dq += ds_j·R[P − t + j]
                 }
             }
-        }
+        });
         // Tables, per head: dR[P − t + j] += Σ_b ds[b, h, j]·q[b],  dS[P − t + j] += Σ_b ds[b, h, j].
         T* dr_win = r_.grad() + (n_pos_ - t) * D;
         T* ds_win = s_.grad() + (n_pos_ - t) * H;

@@ -22,17 +22,41 @@
 // the window, column c ↔ table row P − K + c, and score (i, j) reads column c = Q + j − i.
 // P (n_pos) is a runtime setting; K > P or Q > P is an error.
 //
+// Keys and values are one GEMM: the key and value weights are declared one after the other, so in the
+// parameter buffer they form one [2D, D] matrix (checked at run time; two GEMMs otherwise), and k, v
+// live side by side in one [K·B, 2D] buffer. Backward likewise makes dW_k, dW_v and d_zkv one GEMM each.
+// The per-(batch, head) products are spread over threads; the large projections split their rows.
+//
 // Backward (hand-written; the contract of nn/module.hpp): every parameter gradient +=, d_zq and d_zkv
 // assigned (d_zq may be asked to accumulate, for callers whose queries are rows of z_kv).
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
+#include <utility>
 
 #include "../core/buffer.hpp"
+#include "../core/parallel.hpp"
 #include "../core/rng.hpp"
 #include "../kernels/cpu/softmax.hpp"
 #include "linear.hpp"
 
 namespace mnemo {
+
+/// Key positions whose projected keys and values the previous forward of the same attention already
+/// computed: position dst of this call equals position src of the last one, for len consecutive
+/// positions (generation, where the memory slides by a slot or two per token). The caller vouches
+/// that those key inputs and the key/value parameters are unchanged.
+struct kv_reuse {
+    struct span {
+        index_t dst = 0, src = 0, len = 0;
+    };
+    span spans[2];
+    index_t n = 0;
+    void add(index_t dst, index_t src, index_t len) {
+        if (len > 0 && n < 2) spans[n++] = {dst, src, len};
+    }
+};
 
 template <class T, class Config, class Backend = cpu>
 class relative_attention {
@@ -70,8 +94,10 @@ public:
 
     /// out [Q·B, D] = attention of the queries z_q [Q·B, D] over z_kv [K·B, D] (rows: position·B + b),
     /// with the first K − Q key positions the memory. Saves q, k, v and the attention weights.
+    /// With `reuse`, the keys and values of the positions it names are copied from the previous call
+    /// instead of projected again; only the others are projected.
     template <view_of<T> ZQ, view_of<T> ZKV, view_of<T> O>
-    void forward(const ZQ& zq, const ZKV& zkv, index_t batch, const O& out) {
+    void forward(const ZQ& zq, const ZKV& zkv, index_t batch, const O& out, const kv_reuse& reuse = {}) {
         static_assert(check_view<d_model, ZQ, axis::d_model, Backend>());
         static_assert(check_view<d_model, ZKV, axis::d_model, Backend>());
         static_assert(check_view<d_model, O, axis::d_model, Backend>());
@@ -79,10 +105,11 @@ public:
         check_rows(zq, out, "relative_attention", "z_q", "out");
         const index_t qb = q_len_ * batch_, kb = k_len_ * batch_, w = window();
         view<T, d_model, Backend> q(q_.ensure(qb * D), qb), qu(qu_.ensure(qb * D), qb), ctx(ctx_.ensure(qb * D), qb);
-        view<T, d_model, Backend> k(k_.ensure(kb * D), kb), v(v_.ensure(kb * D), kb);
         query_.forward(zq, q);
-        key_.forward(zkv, k);
-        value_.forward(zkv, v);
+        T* kv = reuse.n ? reuse_kv(reuse, zkv.data(), zkv.ld()) : kv_.ensure(kb * 2 * D);  // row r: [k_r, v_r]
+        if (!reuse.n) project_kv(kb, zkv.data(), zkv.ld(), kv);
+        last_k_len_ = k_len_;
+        last_batch_ = batch_;
         K::copy(qb, D, q.data(), D, qu.data(), D);
         K::add_bias_rows(qb, D, u_.value(), qu.data(), D);  // q + u, u [heads·d_k] broadcast over rows
 
@@ -95,14 +122,14 @@ public:
         T* attn = attn_.ensure(batch_ * H * q_len_ * k_len_);
         const T scale = T(1) / std::sqrt(T(d_head));
         const T* s_win = s_.value() + (n_pos_ - k_len_) * H;
-        const index_t ld = batch_ * D;  // row stride of one batch element's sequence
+        const index_t ld = batch_ * D, ldkv = batch_ * 2 * D;  // row strides of one batch element's sequence
         const index_t mem = k_len_ - q_len_;
-#pragma omp parallel for schedule(static) collapse(2)
-        for (index_t b = 0; b < batch_; ++b) {
-            for (index_t h = 0; h < H; ++h) {
+        parallel_range(batch_ * H, true, [&](index_t bh_begin, index_t bh_end) {
+            for (index_t bh = bh_begin; bh < bh_end; ++bh) {
+                const index_t b = bh / H, h = bh % H;
                 T* a = attn + (b * H + h) * q_len_ * k_len_;  // [Q, K]
-                const index_t off = b * D + h * Dk;
-                K::gemm_nt(q_len_, k_len_, Dk, qu.data() + off, ld, k.data() + off, ld, a, k_len_);
+                const index_t off = b * D + h * Dk, kv_off = b * 2 * D + h * Dk;
+                K::gemm_nt(q_len_, k_len_, Dk, qu.data() + off, ld, kv + kv_off, ldkv, a, k_len_);
                 const T* ph = pos + h * qb * w;
                 for (index_t i = 0; i < q_len_; ++i) {
                     const T* pi = ph + (i * batch_ + b) * w + q_len_ - i;  // column Q + j − i at j = 0
@@ -112,9 +139,9 @@ public:
                     for (index_t j = 0; j < visible; ++j) ai[j] = scale * (ai[j] + pi[j] + si[j * H]);
                 }
                 K::softmax_forward(q_len_, k_len_, a, k_len_, a, k_len_, T(1), softmax_mask::causal_from(mem));
-                K::gemm_nn(q_len_, Dk, k_len_, a, k_len_, v.data() + off, ld, ctx.data() + off, ld);
+                K::gemm_nn(q_len_, Dk, k_len_, a, k_len_, kv + kv_off + D, ldkv, ctx.data() + off, ld);
             }
-        }
+        });
         output_.forward(ctx, out);
     }
 
@@ -130,28 +157,29 @@ public:
                     "relative_attention '", name_, "': backward shapes differ from the last forward");
         const index_t qb = q_len_ * batch_, kb = k_len_ * batch_, w = window();
         const view<T, d_model, Backend> q(q_.data(), qb), qu(qu_.data(), qb), ctx(ctx_.data(), qb);
-        const view<T, d_model, Backend> k(k_.data(), kb), v(v_.data(), kb);
+        const T* kv = kv_.data();
+        T* dkv = dkv_.ensure(kb * 2 * D);  // row r: [dk_r, dv_r]
         view<T, d_model, Backend> d_ctx(d_ctx_.ensure(qb * D), qb), dqu(dqu_.ensure(qb * D), qb),
-            dq(dq_.ensure(qb * D), qb), dk(dk_.ensure(kb * D), kb), dv(dv_.ensure(kb * D), kb);
+            dq(dq_.ensure(qb * D), qb);
         output_.backward(ctx, d_out, d_ctx);
 
         const T* attn = attn_.data();
         T* d_scores = d_scores_.ensure(batch_ * H * q_len_ * k_len_);
         T* d_pos = pos_.ensure(index_t(heads) * qb * w);  // forward's q·R is not needed any more
         const T scale = T(1) / std::sqrt(T(d_head));
-        const index_t ld = batch_ * D;
+        const index_t ld = batch_ * D, ldkv = batch_ * 2 * D;
         const index_t mem = k_len_ - q_len_;
-#pragma omp parallel for schedule(static) collapse(2)
-        for (index_t b = 0; b < batch_; ++b) {
-            for (index_t h = 0; h < H; ++h) {
+        parallel_range(batch_ * H, true, [&](index_t bh_begin, index_t bh_end) {
+            for (index_t bh = bh_begin; bh < bh_end; ++bh) {
+                const index_t b = bh / H, h = bh % H;
                 const T* a = attn + (b * H + h) * q_len_ * k_len_;
                 T* ds = d_scores + (b * H + h) * q_len_ * k_len_;
-                const index_t off = b * D + h * Dk;
-                K::gemm_nt(q_len_, k_len_, Dk, d_ctx.data() + off, ld, v.data() + off, ld, ds, k_len_);   // dA
-                K::gemm_tn(k_len_, Dk, q_len_, a, k_len_, d_ctx.data() + off, ld, dv.data() + off, ld);  // dv
+                const index_t off = b * D + h * Dk, k_off = b * 2 * D + h * Dk, v_off = k_off + D;
+                K::gemm_nt(q_len_, k_len_, Dk, d_ctx.data() + off, ld, kv + v_off, ldkv, ds, k_len_);  // dA
+                K::gemm_tn(k_len_, Dk, q_len_, a, k_len_, d_ctx.data() + off, ld, dkv + v_off, ldkv);  // dv
                 K::softmax_backward(q_len_, k_len_, a, k_len_, ds, k_len_, ds, k_len_, scale);  // d raw score
-                K::gemm_nn(q_len_, Dk, k_len_, ds, k_len_, k.data() + off, ld, dqu.data() + off, ld);   // d(q+u)
-                K::gemm_tn(k_len_, Dk, q_len_, ds, k_len_, qu.data() + off, ld, dk.data() + off, ld);   // dk
+                K::gemm_nn(q_len_, Dk, k_len_, ds, k_len_, kv + k_off, ldkv, dqu.data() + off, ld);   // d(q+u)
+                K::gemm_tn(k_len_, Dk, q_len_, ds, k_len_, qu.data() + off, ld, dkv + k_off, ldkv);   // dk
                 // The positional scores' gradient lands on window column Q + j − i of row (i, b).
                 T* ph = d_pos + h * qb * w;
                 for (index_t i = 0; i < q_len_; ++i) {
@@ -162,7 +190,7 @@ public:
                     for (index_t j = 0; j < visible; ++j) pi[q_len_ + j - i] = dsi[j];
                 }
             }
-        }
+        });
 
         // Per head: dq = d_pos·R_win, dR_win += d_posᵀ·q, dS_win += column sums of d_pos.
         const T* r_win = r_.value() + (n_pos_ - k_len_) * D;
@@ -180,11 +208,14 @@ public:
         K::sum_rows_accumulate(qb, D, dqu.data(), D, u_.grad());        // du = Σ rows d(q+u)
         K::add(qb, D, dq.data(), D, dqu.data(), D, dq.data(), D);        // dq = d(q+u) + positional part
 
-        key_.backward(zkv, dk, d_zkv);
-        value_.backward(zkv, dv, d_zkv, true);
+        project_kv_backward(kb, zkv.data(), zkv.ld(), dkv, d_zkv.data(), d_zkv.ld());
         query_.backward(zq, dq, d_zq, accumulate_dq);
     }
 
+    /// The last forward's attention weights [batch][heads][Q][K] (K = memory + segment positions).
+    const T* attention_weights() const { return attn_.data(); }
+    index_t q_len() const { return q_len_; }
+    index_t k_len() const { return k_len_; }
     index_t n_pos() const { return n_pos_; }
     const std::string& name() const { return name_; }
     const linear<T, d_model, d_model, Backend>& query() const { return query_; }
@@ -213,15 +244,83 @@ private:
     }
     index_t window() const { return k_len_ + q_len_; }
 
+    /// kv for this call from the last call's (spans of `reuse`) and fresh projections of the rest.
+    T* reuse_kv(const kv_reuse& reuse, const T* z, index_t ldz) {
+        MNEMO_CHECK(last_batch_ == batch_, "relative_attention '", name_, "': key/value reuse across batch sizes (",
+                    last_batch_, " then ", batch_, ")");
+        std::swap(kv_, kv_prev_);
+        const T* prev = kv_prev_.data();
+        T* kv = kv_.ensure(k_len_ * batch_ * 2 * D);
+        const index_t row = batch_ * 2 * D;  // elements per position
+        index_t covered[2][2], nc = 0;
+        for (index_t i = 0; i < reuse.n; ++i) {
+            const auto& sp = reuse.spans[i];
+            MNEMO_CHECK(sp.dst >= 0 && sp.src >= 0 && sp.len >= 0 && sp.dst + sp.len <= k_len_ &&
+                            sp.src + sp.len <= last_k_len_,
+                        "relative_attention '", name_, "': key/value reuse span out of range");
+            std::memcpy(kv + sp.dst * row, prev + sp.src * row, sizeof(T) * std::size_t(sp.len * row));
+            covered[nc][0] = sp.dst;
+            covered[nc][1] = sp.dst + sp.len;
+            ++nc;
+        }
+        if (nc == 2 && covered[1][0] < covered[0][0]) std::swap(covered[0], covered[1]);
+        // Project the positions outside the spans.
+        index_t at = 0;
+        for (index_t i = 0; i <= nc; ++i) {
+            const index_t end = i < nc ? covered[i][0] : k_len_;
+            if (end > at) project_kv((end - at) * batch_, z + at * batch_ * ldz, ldz, kv + at * row);
+            if (i < nc) at = std::max(at, covered[i][1]);
+        }
+        return kv;
+    }
+
+    /// W_v directly follows W_k in the parameter buffers: [W_k; W_v] is one [2D, D] matrix.
+    bool kv_fused() const {
+        return value_.weight().value() == key_.weight().value() + D * D &&
+               value_.weight().grad() == key_.weight().grad() + D * D;
+    }
+
+    /// kv [rows, 2D] = [z·W_kᵀ, z·W_vᵀ + b_v]
+    void project_kv(index_t rows, const T* z, index_t ldz, T* kv) const {
+        const T *wk = key_.weight().value(), *wv = value_.weight().value();
+        if (kv_fused()) {
+            K::gemm_nt(rows, 2 * D, D, z, ldz, wk, D, kv, 2 * D);
+        } else {
+            K::gemm_nt(rows, D, D, z, ldz, wk, D, kv, 2 * D);
+            K::gemm_nt(rows, D, D, z, ldz, wv, D, kv + D, 2 * D);
+        }
+        K::add_bias_rows(rows, D, value_.bias().value(), kv + D, 2 * D);
+    }
+
+    /// [dW_k; dW_v] += dkvᵀ·z, db_v += Σ rows dv; dz = dkv·[W_k; W_v] (skipped when dz is null).
+    void project_kv_backward(index_t rows, const T* z, index_t ldz, const T* dkv, T* dz, index_t lddz) const {
+        const T *wk = key_.weight().value(), *wv = value_.weight().value();
+        T *gk = key_.weight().grad(), *gv = value_.weight().grad();
+        if (kv_fused()) {
+            K::gemm_tn(2 * D, D, rows, dkv, 2 * D, z, ldz, gk, D, T(1));
+        } else {
+            K::gemm_tn(D, D, rows, dkv, 2 * D, z, ldz, gk, D, T(1));
+            K::gemm_tn(D, D, rows, dkv + D, 2 * D, z, ldz, gv, D, T(1));
+        }
+        K::sum_rows_accumulate(rows, D, dkv + D, 2 * D, value_.bias().grad());
+        if (!dz) return;
+        if (kv_fused()) {
+            K::gemm_nn(rows, D, 2 * D, dkv, 2 * D, wk, D, dz, lddz);
+        } else {
+            K::gemm_nn(rows, D, D, dkv, 2 * D, wk, D, dz, lddz);
+            K::gemm_nn(rows, D, D, dkv + D, 2 * D, wv, D, dz, lddz, T(1));
+        }
+    }
+
     std::string name_;
     index_t n_pos_;
     linear<T, d_model, d_model, Backend> query_, key_, value_, output_;
     param<T> r_, s_, u_;
-    index_t q_len_ = 0, k_len_ = 0, batch_ = 0;
-    // Saved by forward: q, q + u, k, v [rows, D]; attention weights [B, H, Q, K]; context [Q·B, D].
-    buffer<T> q_, qu_, k_, v_, attn_, ctx_;
+    index_t q_len_ = 0, k_len_ = 0, batch_ = 0, last_k_len_ = 0, last_batch_ = 0;
+    // Saved by forward: q, q + u [Q·B, D]; [k, v] [K·B, 2D]; attention weights [B, H, Q, K]; context [Q·B, D].
+    buffer<T> q_, qu_, kv_, kv_prev_, attn_, ctx_;
     // Scratch: positional scores / their gradient [H, Q·B, W]; backward's gradients.
-    buffer<T> pos_, d_ctx_, dqu_, dq_, dk_, dv_, d_scores_, col_sums_;
+    buffer<T> pos_, d_ctx_, dqu_, dq_, dkv_, d_scores_, col_sums_;
 };
 
 }  // namespace mnemo

@@ -8,12 +8,16 @@
 //                                                        no mask, no output projection; weights detached
 //   loss = mean( (attn(hn, cn) − attn(hn, mn))² )
 //
+// A post-LayerNorm layer (compressive_transformer with norm_kind::post) attends over its raw inputs,
+// so its loss takes no norm (pass a null norm): hn = h, mn = m, cn = f_c(m).
+//
 // Its gradient reaches only f_c's parameters: every other parameter is read as a constant (the
 // backward passes here use backward_input, which never touches a parameter gradient). Nothing is
 // switched off in place, so the key/value weights keep training from the cross-entropy loss (the
 // defect of a published implementation that detached them in place for good).
 #include <cmath>
 
+#include "../core/parallel.hpp"
 #include "../core/buffer.hpp"
 #include "../nn/layer_norm.hpp"
 #include "../nn/relative_attention.hpp"
@@ -33,18 +37,33 @@ public:
     T compute(const layer_norm<T, DM, Backend>& norm, const relative_attention<T, Config, Backend>& attn,
               Compression& compress, view<const T, DM, Backend> h, view<const T, DM, Backend> m, index_t batch,
               bool with_grad) {
+        return compute(&norm, attn, compress, h, m, batch, with_grad);
+    }
+
+    /// The same with the norm optional: a null `norm` attends over h, m and f_c(m) as they are.
+    template <class Compression>
+    T compute(const layer_norm<T, DM, Backend>* norm, const relative_attention<T, Config, Backend>& attn,
+              Compression& compress, view<const T, DM, Backend> h, view<const T, DM, Backend> m, index_t batch,
+              bool with_grad) {
         const index_t qb = h.rows(), mb = m.rows(), cb = Compression::compressed_rows(mb, batch);
         const index_t q_len = qb / batch, m_len = mb / batch, c_len = cb / batch;
         view<T, DM, Backend> cm(cm_.ensure(cb * D), cb);
         compress.forward(m, batch, cm);
 
         // Normalise with the layer's norm, parameters read as constants.
-        view<T, DM, Backend> hn(hn_.ensure(qb * D), qb), mn(mn_.ensure(mb * D), mb), cn(cn_.ensure(cb * D), cb);
-        norm_stats<T> st_h{st_h_.ensure(qb), st_h_r_.ensure(qb)}, st_m{st_m_.ensure(mb), st_m_r_.ensure(mb)},
-            st_c{st_c_.ensure(cb), st_c_r_.ensure(cb)};
-        norm.forward(h, hn, st_h);
-        norm.forward(m, mn, st_m);
-        norm.forward(cm, cn, st_c);
+        view<const T, DM, Backend> hn = h, mn = m, cn = cm;
+        norm_stats<T> st_c{};
+        if (norm) {
+            view<T, DM, Backend> hw(hn_.ensure(qb * D), qb), mw(mn_.ensure(mb * D), mb), cw(cn_.ensure(cb * D), cb);
+            const norm_stats<T> st_h{st_h_.ensure(qb), st_h_r_.ensure(qb)}, st_m{st_m_.ensure(mb), st_m_r_.ensure(mb)};
+            st_c = {st_c_.ensure(cb), st_c_r_.ensure(cb)};
+            norm->forward(h, hw, st_h);
+            norm->forward(m, mw, st_m);
+            norm->forward(cm, cw, st_c);
+            hn = hw;
+            mn = mw;
+            cn = cw;
+        }
 
         view<T, DM, Backend> q(q_.ensure(qb * D), qb), km(km_.ensure(mb * D), mb), vm(vm_.ensure(mb * D), mb),
             kc(kc_.ensure(cb * D), cb), vc(vc_.ensure(cb * D), cb);
@@ -78,9 +97,9 @@ public:
         T* da = da_.ensure(batch * H * q_len * c_len);
         const T scale = T(1) / std::sqrt(T(Dk));
         const index_t ld = batch * D;
-#pragma omp parallel for schedule(static) collapse(2)
-        for (index_t b = 0; b < batch; ++b) {
-            for (index_t hh = 0; hh < H; ++hh) {
+        parallel_range(batch * H, true, [&](index_t begin, index_t end) {
+            for (index_t bh = begin; bh < end; ++bh) {
+                const index_t b = bh / H, hh = bh % H;
                 const index_t off = b * D + hh * Dk, a_off = (b * H + hh) * q_len * c_len;
                 T* dab = da + a_off;
                 K::gemm_nt(q_len, c_len, Dk, diff + off, ld, vc.data() + off, ld, dab, c_len);      // dA
@@ -88,11 +107,11 @@ public:
                 K::softmax_backward(q_len, c_len, a_c + a_off, c_len, dab, c_len, dab, c_len, scale);
                 K::gemm_tn(c_len, Dk, q_len, dab, c_len, q.data() + off, ld, dkc.data() + off, ld);  // dk
             }
-        }
+        });
         attn.key().backward_input(dkc, dcn);
         attn.value().backward_input(dvc, dcn, true);
-        norm.backward_input(cm, dcn, dcm, st_c);
-        compress.backward(m, batch, dcm, view<T, DM, Backend>());
+        if (norm) norm->backward_input(cm, dcn, dcm, st_c);
+        compress.backward(m, batch, norm ? dcm : dcn, view<T, DM, Backend>());
         return loss;
     }
 
@@ -103,16 +122,16 @@ private:
                                 index_t q_len, index_t n) {
         const T scale = T(1) / std::sqrt(T(Dk));
         const index_t ld = batch * D;
-#pragma omp parallel for schedule(static) collapse(2)
-        for (index_t b = 0; b < batch; ++b) {
-            for (index_t hh = 0; hh < H; ++hh) {
+        parallel_range(batch * H, true, [&](index_t begin, index_t end) {
+            for (index_t bh = begin; bh < end; ++bh) {
+                const index_t b = bh / H, hh = bh % H;
                 const index_t off = b * D + hh * Dk;
                 T* ab = a + (b * H + hh) * q_len * n;
                 K::gemm_nt(q_len, n, Dk, q.data() + off, ld, k.data() + off, ld, ab, n);
                 K::softmax_forward(q_len, n, ab, n, ab, n, scale);
                 K::gemm_nn(q_len, Dk, n, ab, n, v.data() + off, ld, out.data() + off, ld);
             }
-        }
+        });
     }
 
     buffer<T> cm_, hn_, mn_, cn_, q_, km_, vm_, kc_, vc_, out_m_, out_c_, a_m_, a_c_, diff_;

@@ -22,6 +22,7 @@
 #include <array>
 #include <cmath>
 
+#include "../core/parallel.hpp"
 #include "../core/error.hpp"
 #include "../core/parameters.hpp"
 #include "../core/shape.hpp"
@@ -66,12 +67,13 @@ double sum_of_squares(const T* x, index_t n) {
     const index_t block = std::max(norm_min_block, (n + norm_max_blocks - 1) / norm_max_blocks);
     const index_t blocks = (n + block - 1) / block;  // <= norm_max_blocks
     std::array<double, norm_max_blocks> partial{};
-#pragma omp parallel for schedule(static) if (blocks > 1)
-    for (index_t b = 0; b < blocks; ++b) {
+    parallel_range(blocks, blocks > 1, [&](index_t b_begin, index_t b_end) {
+    for (index_t b = b_begin; b < b_end; ++b) {
         const index_t begin = b * block;
         const index_t len = std::min(block, n - begin);
         partial[static_cast<std::size_t>(b)] = sum_of_squares_block(x + begin, len);
     }
+    });
     double total = 0.0;
     for (index_t b = 0; b < blocks; ++b) total += partial[static_cast<std::size_t>(b)];
     return total;
@@ -108,8 +110,10 @@ double clip_grad_norm(T* grads, index_t n, double max_norm) {
     const double total = std::sqrt(detail::optim::sum_of_squares(grads, n));
     const T coef = (T(1) / (static_cast<T>(total) + static_cast<T>(1e-6))) * static_cast<T>(max_norm);
     if (!(coef >= T(1))) {  // also taken for NaN, which then propagates as in PyTorch
-#pragma omp parallel for simd schedule(static) if (n >= detail::optim::elementwise_parallel_threshold)
-        for (index_t i = 0; i < n; ++i) grads[i] *= coef;
+        parallel_range(n, n >= detail::optim::elementwise_parallel_threshold, [&](index_t begin, index_t end) {
+#pragma omp simd
+            for (index_t i = begin; i < end; ++i) grads[i] *= coef;
+        });
     }
     return total;
 }

@@ -16,7 +16,15 @@
 //
 // Layout per layer: sequence-major rows (slot·batch + b) × d_model, oldest slot first. Storage is
 // reserved up front, so merging allocates nothing in steady state.
+//
+// Slot identities: every slot gets a number when it enters the memory (or the compressed memory),
+// counting up, so the slots held are always the consecutive ids [mem_first_id, mem_first_id +
+// mem_slots) (likewise for the compressed memory), and `epoch` changes whenever the contents are
+// replaced wholesale (reset, resize). A model may cache per-slot work (the projected keys and values
+// of generation) under these ids: same epoch and id means the same contents.
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -48,6 +56,7 @@ public:
         MNEMO_CHECK(batch >= 1, "memory: batch must be at least 1, got ", batch);
         batch_ = batch;
         mem_slots_ = c_mem_slots_ = away_slots_ = 0;
+        new_epoch();
         const index_t m = mem_len_ + max_segment + rate_;
         const index_t cm = c_mem_len_ + (max_segment + mem_len_) / rate_ + 1;
         for (auto& l : layers_) {
@@ -71,6 +80,11 @@ public:
     index_t c_mem_slots() const { return c_mem_slots_; }
     /// Slots compressed away by the last merge (0 when nothing was compressed).
     index_t compressed_away_slots() const { return away_slots_; }
+    /// Identity of the contents (see the header comment): changes on reset and resize.
+    std::uint64_t epoch() const { return epoch_; }
+    /// Id of the oldest memory / compressed-memory slot; the others follow consecutively.
+    std::int64_t mem_first_id() const { return mem_first_id_; }
+    std::int64_t c_mem_first_id() const { return c_mem_first_id_; }
 
     view<const T, D, Backend> mem(index_t l) const { return rows(layers_[std::size_t(l)].mem, mem_slots_); }
     view<const T, D, Backend> c_mem(index_t l) const { return rows(layers_[std::size_t(l)].c_mem, c_mem_slots_); }
@@ -89,6 +103,7 @@ public:
         mem_slots_ = mem_slots;
         c_mem_slots_ = c_mem_slots;
         away_slots_ = 0;
+        new_epoch();
         for (auto& l : layers_) {
             l.mem.resize(std::size_t(mem_slots * batch_ * index_t(D)));
             l.c_mem.resize(std::size_t(c_mem_slots * batch_ * index_t(D)));
@@ -129,6 +144,8 @@ public:
         }
         mem_slots_ = len - n_old - n_drop;
         c_mem_slots_ = c_len - c_drop;
+        mem_first_id_ += n_old + n_drop;
+        c_mem_first_id_ += c_drop;
         away_slots_ = n_old;
         return n_old;
     }
@@ -141,6 +158,11 @@ private:
     view<const T, D, Backend> rows(const aligned_vector<T>& v, index_t slots) const {
         return view<const T, D, Backend>(v.data(), slots * batch_);
     }
+    void new_epoch() {
+        static std::atomic<std::uint64_t> counter{0};
+        epoch_ = ++counter;
+        mem_first_id_ = c_mem_first_id_ = 0;
+    }
     static void drop_front(aligned_vector<T>& v, index_t n) {
         if (n <= 0) return;
         std::memmove(v.data(), v.data() + n, sizeof(T) * (v.size() - std::size_t(n)));
@@ -149,6 +171,8 @@ private:
 
     index_t n_layers_, mem_len_, c_mem_len_, rate_;
     index_t batch_ = 0, mem_slots_ = 0, c_mem_slots_ = 0, away_slots_ = 0;
+    std::uint64_t epoch_ = 0;  // 0: never reset
+    std::int64_t mem_first_id_ = 0, c_mem_first_id_ = 0;
     std::vector<layer_state> layers_;
 };
 

@@ -42,6 +42,7 @@
 #include <span>
 #include <type_traits>
 
+#include "../core/parallel.hpp"
 #include "../core/buffer.hpp"
 #include "../core/error.hpp"
 #include "../core/parameters.hpp"
@@ -234,8 +235,8 @@ public:
         const T neg_step_size = static_cast<T>(-(lr / bias_correction1));
         T* m = this->m_.data();
         T* v = this->v_.data();
-#pragma omp parallel for schedule(static) if (n >= detail::optim::elementwise_parallel_threshold)
-        for (index_t i = 0; i < n; ++i) {
+        parallel_range(n, n >= detail::optim::elementwise_parallel_threshold, [&](index_t i_begin, index_t i_end) {
+        for (index_t i = i_begin; i < i_end; ++i) {
             const T g = grads[i];
             const T p = detail::optim::product(params[i], decay);                   // param.mul_(1 - lr*wd)
             const T mi = detail::optim::fmadd(one_minus_beta1, g, m[i] * beta1);    // m.mul_(b1).add_(g, 1-b1)
@@ -245,6 +246,7 @@ public:
             const T denom = std::sqrt(vi) / bias_correction2_sqrt + eps;
             params[i] = p + (neg_step_size * mi) / denom;  // param.addcdiv_(m, denom, -step_size)
         }
+        });
     }
 
 private:
@@ -286,8 +288,8 @@ public:
         const T neg_step_size = static_cast<T>(-(lr / bias_correction1));
         T* m = this->m_.data();
         T* v = this->v_.data();
-#pragma omp parallel for schedule(static) if (n >= detail::optim::elementwise_parallel_threshold)
-        for (index_t i = 0; i < n; ++i) {
+        parallel_range(n, n >= detail::optim::elementwise_parallel_threshold, [&](index_t i_begin, index_t i_end) {
+        for (index_t i = i_begin; i < i_end; ++i) {
             const T p = params[i];
             const T g = l2 ? detail::optim::fmadd(wd, p, grads[i]) : grads[i];  // grad.add(param, alpha=wd)
             const T mi = detail::optim::fmadd(one_minus_beta1, g, m[i] * beta1);
@@ -297,6 +299,7 @@ public:
             const T denom = std::sqrt(vi) / bias_correction2_sqrt + eps;
             params[i] = p + (neg_step_size * mi) / denom;
         }
+        });
     }
 
 private:
@@ -358,20 +361,23 @@ public:
         const T wd = static_cast<T>(o_.weight_decay);
         const T neg_lr = static_cast<T>(-lr);
         if (o_.momentum == 0.0) {
-#pragma omp parallel for simd schedule(static) if (n >= detail::optim::elementwise_parallel_threshold)
-            for (index_t i = 0; i < n; ++i) {
+            parallel_range(n, n >= detail::optim::elementwise_parallel_threshold, [&](index_t i_begin, index_t i_end) {
+            #pragma omp simd
+            for (index_t i = i_begin; i < i_end; ++i) {
                 const T p = params[i];
                 const T g = l2 ? detail::optim::fmadd(wd, p, grads[i]) : grads[i];  // d_p.add(param, alpha=wd)
                 params[i] = detail::optim::fmadd(neg_lr, g, p);                      // param.add_(d_p, alpha=-lr)
             }
+            });
             return;
         }
         const T momentum = static_cast<T>(o_.momentum);
         const T one_minus_dampening = static_cast<T>(1.0 - o_.dampening);
         const bool nesterov = o_.nesterov;
         T* b = buf_.data();
-#pragma omp parallel for simd schedule(static) if (n >= detail::optim::elementwise_parallel_threshold)
-        for (index_t i = 0; i < n; ++i) {
+        parallel_range(n, n >= detail::optim::elementwise_parallel_threshold, [&](index_t i_begin, index_t i_end) {
+        #pragma omp simd
+        for (index_t i = i_begin; i < i_end; ++i) {
             const T p = params[i];
             const T g = l2 ? detail::optim::fmadd(wd, p, grads[i]) : grads[i];
             // First step: buf = clone(d_p). Later: buf.mul_(momentum).add_(d_p, alpha=1-dampening).
@@ -380,6 +386,7 @@ public:
             const T d = nesterov ? detail::optim::fmadd(momentum, bi, g) : bi;  // d_p.add(buf, alpha=momentum)
             params[i] = detail::optim::fmadd(neg_lr, d, p);
         }
+        });
     }
 
 private:
@@ -429,8 +436,8 @@ public:
         const T neg_step_size = static_cast<T>(-(lr_t * std::sqrt(bias_correction2) / bias_correction1));
         T* m = this->m_.data();
         T* v = this->v_.data();
-#pragma omp parallel for schedule(static) if (n >= detail::optim::elementwise_parallel_threshold)
-        for (index_t i = 0; i < n; ++i) {
+        parallel_range(n, n >= detail::optim::elementwise_parallel_threshold, [&](index_t i_begin, index_t i_end) {
+        for (index_t i = i_begin; i < i_end; ++i) {
             const T g = grads[i];
             const T p = detail::optim::product(params[i], decay);  // WeightDecay: param.mul_(1 - lr*wd), first
             const T mi = detail::optim::fmadd(one_minus_beta1, g, m[i] * beta1);
@@ -440,6 +447,7 @@ public:
             const T denom = std::sqrt(vi) + eps;  // v.sqrt().add_(eps)
             params[i] = p + (neg_step_size * mi) / denom;
         }
+        });
     }
 
 private:

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "../../core/parallel.hpp"
 #include "../../core/activation.hpp"
 #include "../../core/backend.hpp"
 #include "../../core/shape.hpp"
@@ -15,13 +16,21 @@
 namespace mnemo::cpu_kernels {
 
 struct activation {
+    /// f(j) for each full SIMD batch j = 0, width, 2·width, … < nv, over threads when nv is large.
+    template <class T, class F>
+    static void over_batches(index_t nv, F&& f) {
+        constexpr index_t w = simd::width<T>;
+        parallel_range(nv / w, nv >= 65536, [&](index_t begin, index_t end) {
+            for (index_t b = begin; b < end; ++b) f(b * w);
+        });
+    }
+
     template <class T>
     static void relu_forward(index_t n, const T* x, T* y) {
         using B = simd::batch<T>;
         const index_t nv = simd::full_batches<T>(n);
         const B zero = simd::splat<T>(0);
-#pragma omp parallel for schedule(static) if (n >= 65536)
-        for (index_t j = 0; j < nv; j += simd::width<T>) simd::store(y + j, xsimd::max(simd::load(x + j), zero));
+        over_batches<T>(nv, [&](index_t j) { simd::store(y + j, xsimd::max(simd::load(x + j), zero)); });
         for (index_t j = nv; j < n; ++j) y[j] = x[j] > T(0) ? x[j] : T(0);
     }
     /// dx = dy·[x > 0]
@@ -30,9 +39,9 @@ struct activation {
         using B = simd::batch<T>;
         const index_t nv = simd::full_batches<T>(n);
         const B zero = simd::splat<T>(0);
-#pragma omp parallel for schedule(static) if (n >= 65536)
-        for (index_t j = 0; j < nv; j += simd::width<T>)
+        over_batches<T>(nv, [&](index_t j) {
             simd::store(dx + j, xsimd::select(simd::load(x + j) > zero, simd::load(dy + j), zero));
+        });
         for (index_t j = nv; j < n; ++j) dx[j] = x[j] > T(0) ? dy[j] : T(0);
     }
 
@@ -41,11 +50,10 @@ struct activation {
         using B = simd::batch<T>;
         const index_t nv = simd::full_batches<T>(n);
         const B half = simd::splat<T>(0.5), rs2 = simd::splat<T>(T(0.70710678118654752440));
-#pragma omp parallel for schedule(static) if (n >= 65536)
-        for (index_t j = 0; j < nv; j += simd::width<T>) {
+        over_batches<T>(nv, [&](index_t j) {
             const B v = simd::load(x + j);
             simd::store(y + j, half * v * xsimd::erfc(-v * rs2));
-        }
+        });
         for (index_t j = nv; j < n; ++j) y[j] = T(0.5) * x[j] * std::erfc(-x[j] * T(0.70710678118654752440));
     }
     /// dx = dy·gelu'(x)
@@ -55,13 +63,12 @@ struct activation {
         const index_t nv = simd::full_batches<T>(n);
         constexpr T rs2 = T(0.70710678118654752440), rs2pi = T(0.39894228040143267794);
         const B half = simd::splat<T>(0.5), vrs2 = simd::splat(rs2), vrs2pi = simd::splat(rs2pi);
-#pragma omp parallel for schedule(static) if (n >= 65536)
-        for (index_t j = 0; j < nv; j += simd::width<T>) {
+        over_batches<T>(nv, [&](index_t j) {
             const B v = simd::load(x + j);
             const B cdf = half * xsimd::erfc(-v * vrs2);
             const B pdf = vrs2pi * xsimd::exp(-half * v * v);
             simd::store(dx + j, simd::load(dy + j) * (cdf + v * pdf));
-        }
+        });
         for (index_t j = nv; j < n; ++j) {
             const T cdf = T(0.5) * std::erfc(-x[j] * rs2);
             const T pdf = rs2pi * std::exp(T(-0.5) * x[j] * x[j]);

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "../../core/parallel.hpp"
 #include "../../core/error.hpp"
 #include "../../core/shape.hpp"
 #include "simd.hpp"
@@ -29,13 +30,14 @@ struct cross_entropy {
     template <class T, class I>
     static void cross_entropy_forward(index_t rows, index_t vocab, const T* logits, index_t ld, const I* targets,
                                       T* losses, T* lse) {
-#pragma omp parallel for schedule(static) if (rows * vocab >= 16384)
-        for (index_t i = 0; i < rows; ++i) {
+        parallel_range(rows, rows * vocab >= 16384, [&](index_t i_begin, index_t i_end) {
+        for (index_t i = i_begin; i < i_end; ++i) {
             const T* xi = logits + i * ld;
             const T l = log_sum_exp(xi, vocab);
             if (lse) lse[i] = l;
             losses[i] = targets[i] < 0 ? T(0) : l - xi[targets[i]];
         }
+        });
     }
 
     /// dlogits[i, :] = grad_scale[i] · (softmax(x_i) − onehot(t_i)), or grad_scale_all when
@@ -43,23 +45,25 @@ struct cross_entropy {
     template <class T, class I>
     static void cross_entropy_backward(index_t rows, index_t vocab, const T* logits, index_t ld, const I* targets,
                                        const T* lse, const T* grad_scale, T grad_scale_all, T* dlogits, index_t ldd) {
-#pragma omp parallel for schedule(static) if (rows * vocab >= 16384)
-        for (index_t i = 0; i < rows; ++i)
-            row_backward(logits + i * ld, vocab, targets[i], lse[i], grad_scale ? grad_scale[i] : grad_scale_all,
-                         dlogits + i * ldd);
+        parallel_range(rows, rows * vocab >= 16384, [&](index_t begin, index_t end) {
+            for (index_t i = begin; i < end; ++i)
+                row_backward(logits + i * ld, vocab, targets[i], lse[i], grad_scale ? grad_scale[i] : grad_scale_all,
+                             dlogits + i * ldd);
+        });
     }
 
     /// Fused: losses and dlogits in one pass over each row.
     template <class T, class I>
     static void cross_entropy_fused(index_t rows, index_t vocab, const T* logits, index_t ld, const I* targets,
                                     T* losses, T grad_scale, T* dlogits, index_t ldd) {
-#pragma omp parallel for schedule(static) if (rows * vocab >= 16384)
-        for (index_t i = 0; i < rows; ++i) {
+        parallel_range(rows, rows * vocab >= 16384, [&](index_t i_begin, index_t i_end) {
+        for (index_t i = i_begin; i < i_end; ++i) {
             const T* xi = logits + i * ld;
             const T l = log_sum_exp(xi, vocab);
             losses[i] = targets[i] < 0 ? T(0) : l - xi[targets[i]];
             row_backward(xi, vocab, targets[i], l, grad_scale, dlogits + i * ldd);
         }
+        });
     }
 
 private:

@@ -4,6 +4,7 @@
 // the same mask from (seed, offset), so nothing is stored. p = 0 is the identity; p = 1 zeroes.
 #include <cstdint>
 
+#include "../../core/parallel.hpp"
 #include "../../core/rng.hpp"
 #include "../../core/shape.hpp"
 
@@ -30,9 +31,10 @@ private:
             return;
         }
         const T scale = p >= 1.0f ? T(0) : T(1) / (T(1) - T(p));
-#pragma omp parallel for schedule(static) if (n >= 65536)
-        for (index_t i = 0; i < n; ++i)
-            y[i] = random_uniform(seed, offset + static_cast<std::uint64_t>(i)) >= p ? x[i] * scale : T(0);
+        parallel_range(n, n >= 65536, [&](index_t begin, index_t end) {
+            for (index_t i = begin; i < end; ++i)
+                y[i] = random_uniform(seed, offset + static_cast<std::uint64_t>(i)) >= p ? x[i] * scale : T(0);
+        });
     }
 };
 

@@ -2,6 +2,7 @@
 // Small row-wise helpers: bias broadcast, column sums (bias gradients), adds and copies.
 #include <algorithm>
 
+#include "../../core/parallel.hpp"
 #include "../../core/shape.hpp"
 #include "simd.hpp"
 
@@ -12,13 +13,14 @@ struct elementwise {
     template <class T>
     static void add_bias_rows(index_t rows, index_t n, const T* b, T* c, index_t ldc) {
         const index_t nv = simd::full_batches<T>(n);
-#pragma omp parallel for schedule(static) if (rows * n >= 65536)
-        for (index_t i = 0; i < rows; ++i) {
+        parallel_range(rows, rows * n >= 65536, [&](index_t i_begin, index_t i_end) {
+        for (index_t i = i_begin; i < i_end; ++i) {
             T* ci = c + i * ldc;
             index_t j = 0;
             for (; j < nv; j += simd::width<T>) simd::store(ci + j, simd::load(ci + j) + simd::load(b + j));
             for (; j < n; ++j) ci[j] += b[j];
         }
+        });
     }
 
     /// db[j] += Σ_i dy[i, j], summed in row order (threads split the columns: deterministic).
@@ -26,22 +28,23 @@ struct elementwise {
     static void sum_rows_accumulate(index_t rows, index_t n, const T* dy, index_t ld, T* db) {
         constexpr index_t block = 64;
         const index_t nblocks = (n + block - 1) / block;
-#pragma omp parallel for schedule(static) if (rows * n >= 65536)
-        for (index_t cb = 0; cb < nblocks; ++cb) {
+        parallel_range(nblocks, rows * n >= 65536, [&](index_t cb_begin, index_t cb_end) {
+        for (index_t cb = cb_begin; cb < cb_end; ++cb) {
             const index_t j0 = cb * block, j1 = std::min(n, j0 + block);
             for (index_t i = 0; i < rows; ++i) {
                 const T* di = dy + i * ld;
                 for (index_t j = j0; j < j1; ++j) db[j] += di[j];
             }
         }
+        });
     }
 
     /// y[i, :] = a[i, :] + b[i, :]   (y may alias a or b)
     template <class T>
     static void add(index_t rows, index_t n, const T* a, index_t lda, const T* b, index_t ldb, T* y, index_t ldy) {
         const index_t nv = simd::full_batches<T>(n);
-#pragma omp parallel for schedule(static) if (rows * n >= 65536)
-        for (index_t i = 0; i < rows; ++i) {
+        parallel_range(rows, rows * n >= 65536, [&](index_t i_begin, index_t i_end) {
+        for (index_t i = i_begin; i < i_end; ++i) {
             const T* ai = a + i * lda;
             const T* bi = b + i * ldb;
             T* yi = y + i * ldy;
@@ -49,14 +52,15 @@ struct elementwise {
             for (; j < nv; j += simd::width<T>) simd::store(yi + j, simd::load(ai + j) + simd::load(bi + j));
             for (; j < n; ++j) yi[j] = ai[j] + bi[j];
         }
+        });
     }
 
     /// y[i, :] = x[i, :]   (y += x when accumulate)
     template <class T>
     static void copy(index_t rows, index_t n, const T* x, index_t ldx, T* y, index_t ldy, bool accumulate = false) {
         const index_t nv = simd::full_batches<T>(n);
-#pragma omp parallel for schedule(static) if (rows * n >= 65536)
-        for (index_t i = 0; i < rows; ++i) {
+        parallel_range(rows, rows * n >= 65536, [&](index_t i_begin, index_t i_end) {
+        for (index_t i = i_begin; i < i_end; ++i) {
             const T* xi = x + i * ldx;
             T* yi = y + i * ldy;
             index_t j = 0;
@@ -67,17 +71,19 @@ struct elementwise {
                 for (; j < n; ++j) yi[j] = xi[j];
             }
         }
+        });
     }
 
     /// y[i, :] = table[ids[i], :]   (ids already checked to lie in [0, rows of table))
     template <class T, class I>
     static void gather_rows(index_t rows, index_t n, const I* ids, const T* table, index_t ldt, T* y, index_t ldy) {
-#pragma omp parallel for schedule(static) if (rows * n >= 65536)
-        for (index_t i = 0; i < rows; ++i) {
+        parallel_range(rows, rows * n >= 65536, [&](index_t i_begin, index_t i_end) {
+        for (index_t i = i_begin; i < i_end; ++i) {
             const T* src = table + static_cast<index_t>(ids[i]) * ldt;
             T* yi = y + i * ldy;
             for (index_t j = 0; j < n; ++j) yi[j] = src[j];
         }
+        });
     }
 
     /// table[ids[i], :] += dy[i, :], in row order (threads split the columns: deterministic, and no
@@ -86,8 +92,8 @@ struct elementwise {
     static void scatter_add_rows(index_t rows, index_t n, const I* ids, const T* dy, index_t ld, T* table, index_t ldt) {
         constexpr index_t block = 64;
         const index_t nblocks = (n + block - 1) / block;
-#pragma omp parallel for schedule(static) if (rows * n >= 65536)
-        for (index_t cb = 0; cb < nblocks; ++cb) {
+        parallel_range(nblocks, rows * n >= 65536, [&](index_t cb_begin, index_t cb_end) {
+        for (index_t cb = cb_begin; cb < cb_end; ++cb) {
             const index_t j0 = cb * block, j1 = std::min(n, j0 + block);
             for (index_t i = 0; i < rows; ++i) {
                 const T* di = dy + i * ld;
@@ -95,6 +101,7 @@ struct elementwise {
                 for (index_t j = j0; j < j1; ++j) ti[j] += di[j];
             }
         }
+        });
     }
 };
 

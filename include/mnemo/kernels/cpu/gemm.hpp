@@ -1,14 +1,15 @@
 #pragma once
-// GEMM on row-major matrices through Eigen::Map (Eigen packs, blocks and, under OpenMP, parallelises
-// the product itself). The three forms training needs, each C = beta·C + alpha·op(A)·op(B):
+// GEMM on row-major matrices through Eigen's GEBP kernel (general_matrix_matrix_product: Eigen packs
+// and blocks; mnemo keeps the packing buffers and splits the product over threads). The three forms
+// training needs, each C = beta·C + alpha·op(A)·op(B):
 //   gemm_nn: A[M,K]   · B[K,N]      (forward of x·W when W is [in, out])
 //   gemm_nt: A[M,K]   · B[N,K]ᵀ     (forward of a PyTorch linear, x·Wᵀ; scores Q·Kᵀ)
 //   gemm_tn: A[K,M]ᵀ  · B[K,N]      (weight gradients, dW = dYᵀ·X)
 // beta = 0 overwrites C (its contents may be garbage), beta = 1 accumulates.
 // lda/ldb/ldc are row strides in elements.
 //
-// Threads: mnemo runs Eigen's product single-threaded (Eigen::setNbThreads(1), once) and splits a
-// large GEMM itself into one block of C per thread. Eigen would otherwise open an OpenMP region for
+// Threads: mnemo calls Eigen's sequential product (so a user's Eigen::setNbThreads is untouched) and
+// splits a large GEMM itself into one block of C per thread. Eigen's own parallel product would otherwise open an OpenMP region for
 // products as small as 8×128×128 (the per-token GEMMs of the recurrent models and the per-head
 // attention products), whose fork/join costs more than the product, and which stall badly whenever
 // another process holds a core. Below parallel_min_work multiply-adds (≈ 20 µs of work) a GEMM runs
@@ -17,6 +18,7 @@
 
 #include <Eigen/Core>
 #include <algorithm>
+#include <vector>
 
 #include "../../core/shape.hpp"
 
@@ -34,11 +36,6 @@ struct gemm {
     /// round differently).
     template <class F>
     static void split(index_t m, index_t n, index_t k, F&& f) {
-        static const bool eigen_single_threaded = [] {
-            Eigen::setNbThreads(1);
-            return true;
-        }();
-        (void)eigen_single_threaded;
         const double work = double(m) * double(n) * double(k);
         int threads = (work >= parallel_min_work && !omp_in_parallel()) ? omp_get_max_threads() : 1;
         threads = int(std::min<index_t>(threads, std::max<index_t>(1, m / 16)));
@@ -59,26 +56,51 @@ struct gemm {
     template <class T>
     using matrix_map = Eigen::Map<Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>, Eigen::Unaligned,
                                   Eigen::OuterStride<>>;
+
+    /// Eigen's packing buffers for one thread, kept between calls. Eigen's product expression takes
+    /// them from the heap (malloc, not operator new) whenever they exceed 128 KiB, i.e. on every large
+    /// GEMM, and glibc then maps and unmaps fresh pages each time; here they grow once and are reused,
+    /// so a steady-state GEMM allocates nothing. Blocking sizes are Eigen's own for one thread, so
+    /// results are bitwise those of `C.noalias() += A·B`.
     template <class T>
-    using const_matrix_map = Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>,
-                                        Eigen::Unaligned, Eigen::OuterStride<>>;
+    class blocking : public Eigen::internal::level3_blocking<T, T> {
+    public:
+        /// Eigen's cache blocking for a row-major C [m, n] with depth k (the kernel works on Cᵀ).
+        void prepare(index_t m, index_t n, index_t k) {
+            this->m_mc = n;
+            this->m_nc = m;
+            this->m_kc = k;
+            Eigen::internal::computeProductBlockingSizes<T, T, 1>(this->m_kc, this->m_mc, this->m_nc, Eigen::Index(1));
+            const std::size_t a = std::size_t(this->m_mc * this->m_kc), b = std::size_t(this->m_kc * this->m_nc);
+            if (a > a_.size()) a_.resize(a);
+            if (b > b_.size()) b_.resize(b);
+            this->m_blockA = a_.data();
+            this->m_blockB = b_.data();
+        }
+
+    private:
+        std::vector<T, Eigen::aligned_allocator<T>> a_, b_;
+    };
 
     template <class T>
-    static void scale(matrix_map<T>& c, T beta) {
-        if (beta == T(0)) c.setZero();
-        else if (beta != T(1)) c *= beta;
+    static blocking<T>& thread_blocking() {
+        thread_local blocking<T> b;
+        return b;
     }
 
-    template <class T, class Product>
-    static void store_product(matrix_map<T>& c, const Product& product, T alpha, T beta) {
-        if (beta == T(0)) {
-            if (alpha == T(1)) c.noalias() = product;
-            else c.noalias() = alpha * product;
-        } else {
-            if (beta != T(1)) c *= beta;
-            if (alpha == T(1)) c.noalias() += product;
-            else c.noalias() += alpha * product;
-        }
+    /// C [m, n] (row-major, stride ldc) = beta·C + alpha·op(A)·op(B); A is row-major [m, k] (LhsOrder =
+    /// RowMajor) or [k, m] read transposed (ColMajor view), likewise B.
+    template <int LhsOrder, int RhsOrder, class T>
+    static void product(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
+                        index_t ldc, T beta, T alpha) {
+        matrix_map<T> cm(c, m, n, Eigen::OuterStride<>(ldc));
+        if (beta == T(0)) cm.setZero();
+        else if (beta != T(1)) cm *= beta;
+        if (k == 0) return;
+        auto& bl = thread_blocking<T>();
+        bl.prepare(m, n, k);
+        Eigen::internal::general_matrix_matrix_product<index_t, T, LhsOrder, false, T, RhsOrder, false, Eigen::RowMajor,
+                                                       1>::run(m, n, k, a, lda, b, ldb, c, 1, ldc, alpha, bl, nullptr);
     }
 
     /// C[M,N] = beta·C + alpha·A[M,K]·B[K,N]
@@ -87,11 +109,8 @@ struct gemm {
                         index_t ldc, T beta = T(0), T alpha = T(1)) {
         if (m == 0 || n == 0) return;
         split(m, n, k, [&](index_t m0, index_t m1, index_t n0, index_t n1) {
-            matrix_map<T> cm(c + m0 * ldc + n0, m1 - m0, n1 - n0, Eigen::OuterStride<>(ldc));
-            if (k == 0) return scale(cm, beta);
-            const_matrix_map<T> am(a + m0 * lda, m1 - m0, k, Eigen::OuterStride<>(lda));
-            const_matrix_map<T> bm(b + n0, k, n1 - n0, Eigen::OuterStride<>(ldb));
-            store_product(cm, am * bm, alpha, beta);
+            product<Eigen::RowMajor, Eigen::RowMajor>(m1 - m0, n1 - n0, k, a + m0 * lda, lda, b + n0, ldb,
+                                                      c + m0 * ldc + n0, ldc, beta, alpha);
         });
     }
 
@@ -101,11 +120,8 @@ struct gemm {
                         index_t ldc, T beta = T(0), T alpha = T(1)) {
         if (m == 0 || n == 0) return;
         split(m, n, k, [&](index_t m0, index_t m1, index_t n0, index_t n1) {
-            matrix_map<T> cm(c + m0 * ldc + n0, m1 - m0, n1 - n0, Eigen::OuterStride<>(ldc));
-            if (k == 0) return scale(cm, beta);
-            const_matrix_map<T> am(a + m0 * lda, m1 - m0, k, Eigen::OuterStride<>(lda));
-            const_matrix_map<T> bm(b + n0 * ldb, n1 - n0, k, Eigen::OuterStride<>(ldb));
-            store_product(cm, am * bm.transpose(), alpha, beta);
+            product<Eigen::RowMajor, Eigen::ColMajor>(m1 - m0, n1 - n0, k, a + m0 * lda, lda, b + n0 * ldb, ldb,
+                                                      c + m0 * ldc + n0, ldc, beta, alpha);
         });
     }
 
@@ -115,11 +131,8 @@ struct gemm {
                         index_t ldc, T beta = T(0), T alpha = T(1)) {
         if (m == 0 || n == 0) return;
         split(m, n, k, [&](index_t m0, index_t m1, index_t n0, index_t n1) {
-            matrix_map<T> cm(c + m0 * ldc + n0, m1 - m0, n1 - n0, Eigen::OuterStride<>(ldc));
-            if (k == 0) return scale(cm, beta);
-            const_matrix_map<T> am(a + m0, k, m1 - m0, Eigen::OuterStride<>(lda));
-            const_matrix_map<T> bm(b + n0, k, n1 - n0, Eigen::OuterStride<>(ldb));
-            store_product(cm, am.transpose() * bm, alpha, beta);
+            product<Eigen::ColMajor, Eigen::RowMajor>(m1 - m0, n1 - n0, k, a + m0, lda, b + n0, ldb,
+                                                      c + m0 * ldc + n0, ldc, beta, alpha);
         });
     }
 };

@@ -8,6 +8,7 @@
 // depend on the thread count.
 #include <cmath>
 
+#include "../../core/parallel.hpp"
 #include "../../core/shape.hpp"
 #include "simd.hpp"
 
@@ -21,8 +22,8 @@ struct layer_norm {
                                    T* y, index_t ldy, T* mean, T* rstd) {
         using B = simd::batch<T>;
         const index_t nv = simd::full_batches<T>(d);
-#pragma omp parallel for schedule(static) if (rows * d >= 16384)
-        for (index_t i = 0; i < rows; ++i) {
+        parallel_range(rows, rows * d >= 16384, [&](index_t i_begin, index_t i_end) {
+        for (index_t i = i_begin; i < i_end; ++i) {
             const T* xi = x + i * ldx;
             T* yi = y + i * ldy;
             B acc = simd::splat<T>(0);
@@ -56,6 +57,7 @@ struct layer_norm {
                 yi[j] = v;
             }
         }
+        });
     }
 
     /// dx = LN backward (assigned, or added when accumulate_dx; may be null); dw, db accumulated (may be null).
@@ -66,8 +68,8 @@ struct layer_norm {
         using B = simd::batch<T>;
         const index_t nv = simd::full_batches<T>(d);
         if (dx) {
-#pragma omp parallel for schedule(static) if (rows * d >= 16384)
-            for (index_t i = 0; i < rows; ++i) {
+            parallel_range(rows, rows * d >= 16384, [&](index_t i_begin, index_t i_end) {
+            for (index_t i = i_begin; i < i_end; ++i) {
                 const T* xi = x + i * ldx;
                 const T* dyi = dy + i * lddy;
                 T* dxi = dx + i * lddx;
@@ -105,13 +107,14 @@ struct layer_norm {
                     dxi[j] = accumulate_dx ? dxi[j] + v : v;
                 }
             }
+            });
         }
         if (dw || db) {
             // Threads own column blocks; each sums its columns over all rows in row order.
             constexpr index_t block = 64;
             const index_t nblocks = (d + block - 1) / block;
-#pragma omp parallel for schedule(static) if (rows * d >= 16384)
-            for (index_t cb = 0; cb < nblocks; ++cb) {
+            parallel_range(nblocks, rows * d >= 16384, [&](index_t cb_begin, index_t cb_end) {
+            for (index_t cb = cb_begin; cb < cb_end; ++cb) {
                 const index_t j0 = cb * block, j1 = std::min(d, j0 + block);
                 for (index_t i = 0; i < rows; ++i) {
                     const T* xi = x + i * ldx;
@@ -123,6 +126,7 @@ struct layer_norm {
                     }
                 }
             }
+            });
         }
     }
 };

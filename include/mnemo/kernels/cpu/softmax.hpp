@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "../../core/parallel.hpp"
 #include "../../core/shape.hpp"
 #include "simd.hpp"
 
@@ -33,8 +34,8 @@ struct softmax {
     template <class T>
     static void softmax_forward(index_t rows, index_t cols, const T* x, index_t ldx, T* y, index_t ldy, T scale,
                                 softmax_mask mask = {}) {
-#pragma omp parallel for schedule(static) if (rows * cols >= 16384)
-        for (index_t i = 0; i < rows; ++i) {
+        parallel_range(rows, rows * cols >= 16384, [&](index_t i_begin, index_t i_end) {
+        for (index_t i = i_begin; i < i_end; ++i) {
             const T* xi = x + i * ldx;
             T* yi = y + i * ldy;
             index_t n = cols;  // visible prefix
@@ -42,6 +43,7 @@ struct softmax {
             if (mask.keep) row_keep(xi, yi, cols, n, scale, mask.keep + i * mask.ld_keep);
             else row_prefix(xi, yi, cols, n, scale);
         }
+        });
     }
 
     /// dx = softmax backward given the forward output y and upstream dy. dx may alias dy.
@@ -50,8 +52,8 @@ struct softmax {
                                  index_t lddx, T scale) {
         using B = simd::batch<T>;
         const index_t nv = simd::full_batches<T>(cols);
-#pragma omp parallel for schedule(static) if (rows * cols >= 16384)
-        for (index_t i = 0; i < rows; ++i) {
+        parallel_range(rows, rows * cols >= 16384, [&](index_t i_begin, index_t i_end) {
+        for (index_t i = i_begin; i < i_end; ++i) {
             const T* yi = y + i * ldy;
             const T* dyi = dy + i * lddy;
             T* dxi = dx + i * lddx;
@@ -65,6 +67,7 @@ struct softmax {
                 simd::store(dxi + j, vs * simd::load(yi + j) * (simd::load(dyi + j) - vdot));
             for (; j < cols; ++j) dxi[j] = scale * yi[j] * (dyi[j] - dot);
         }
+        });
     }
 
 private:

@@ -1,0 +1,38 @@
+#pragma once
+// parallel_range: the one way mnemo's CPU code splits a loop over OpenMP threads.
+//
+//   parallel_range(n, worth_it, [&](index_t begin, index_t end) { for (i = begin; i < end; ++i) ... });
+//
+// The body gets one contiguous block of [0, n) per thread (static partition). It runs on the calling
+// thread alone, without opening an OpenMP region, when `worth_it` is false, when n < 2, when only one
+// thread is available, or when the caller is already inside a parallel region. That matters for
+// speed and for the steady-state "no allocation" promise: libgomp allocates (and frees) a new team on
+// every region that ends up with one thread, e.g. `#pragma omp parallel for if (false)` or any
+// nested region, while a region of several threads reuses the previous team.
+// Iterations must be independent, so results never depend on the thread count.
+#include <omp.h>
+
+#include <algorithm>
+
+#include "shape.hpp"
+
+namespace mnemo {
+
+template <class F>
+inline void parallel_range(index_t n, bool worth_it, F&& body) {
+    if (n <= 0) return;
+    const index_t threads =
+        (worth_it && n > 1 && !omp_in_parallel()) ? std::min<index_t>(index_t(omp_get_max_threads()), n) : 1;
+    if (threads <= 1) {
+        body(index_t(0), n);
+        return;
+    }
+#pragma omp parallel num_threads(int(threads))
+    {
+        const index_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const index_t begin = n * t / nt, end = n * (t + 1) / nt;
+        if (begin < end) body(begin, end);
+    }
+}
+
+}  // namespace mnemo

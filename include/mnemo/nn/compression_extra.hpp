@@ -1,0 +1,414 @@
+#pragma once
+// Two more compression functions f_c: R^{n·c × d} → R^{n × d} of the Compressive Transformer (Rae et
+// al., 2019), c = Rate, with the interface of nn/compression.hpp (same template signature, constructor,
+// reset_parameters, compressed_rows, forward, backward), so either drops into
+// compressive_transformer<T, Config, X>. Memory is sequence-major, row = t·batch + b, features D.
+//
+//   dilated_conv_compression   the paper's "stack of dilated convolutions reducing by c": log2(c)
+//                              layers, each torch.nn.Conv1d(D, D, kernel_size=2, stride=2) over time,
+//                              with a ReLU between consecutive layers (none after the last):
+//                                h_0 = mem,  h_{k+1}[s] = W_k[:, :, 0]·h_k[2s] + W_k[:, :, 1]·h_k[2s+1] + b_k,
+//                                h_{k+1} ← relu(h_{k+1}) for k + 1 < log2(c),  out = h_{log2 c}.
+//                              Layer k's kernel taps are 2^k original slots apart (effective dilation
+//                              2^k), and output slot s reads exactly the slots s·c … s·c + c − 1.
+//                              Rate must be a power of two ≥ 2 (static_assert).
+//                              As PyTorch: nn.Sequential(Conv1d, ReLU, Conv1d, …) applied to
+//                              mem.permute(1, 2, 0) [batch, D, len], the result permuted (2, 0, 1).
+//                              Parameters `<name>.convs.<k>.weight` [D, D, 2] (PyTorch [out, in, kernel])
+//                              and `<name>.convs.<k>.bias` [D], k = 0 … log2(c) − 1 (0 reads the memory).
+//   most_used_compression      keeps, of each group of c consecutive slots of one batch element, the
+//                              slot that received the most attention (the paper's "most-used"
+//                              compression): out[s, b] = mem[s·c + t*, b] with
+//                              t* = argmax_t usage[(s·c + t)·batch + b], ties → the first (oldest) slot,
+//                              a NaN usage counts as the least. No parameters. The usage (one value per
+//                              memory row, accumulated attention mass, see accumulate_key_usage) is given
+//                              by set_usage() before forward; compression_needs_usage<C> says whether a
+//                              compression function needs it.
+//
+// Each dilated layer is one GEMM over the im2col gather of nn/compression.hpp with rate 2
+// (cpu_kernels::compression::im2col_time<2>): X_k [rows_k, 2D] with column i·2 + t, which is W_k's own
+// memory order, so W_k [D, 2D] is used as stored:
+//   y_k = X_k·W_kᵀ + b_k     dW_k += dy_kᵀ·X_k     db_k += Σ_rows dy_k     dX_k = dy_k·W_k, scattered back
+// (col2im_time<2>; kernel = stride, so the scatter assigns), then through the ReLU of the layer below.
+//
+// Backward contract (module.hpp): parameter gradients +=, d_mem assigned (skipped for an empty view).
+// Forward keeps what backward reads (dilated: every X_k and every hidden h_k; most-used: the chosen
+// slot per output row) in buffers that grow to the largest memory seen and are reused, so steady-state
+// calls do not allocate. Backward must follow a forward over the same memory (the shape is checked).
+//
+// The selection kernels and the attention-usage sum are plain loops in cpu_kernels below, reached
+// through compression_extra_ops<Backend> (the seam a CUDA build specialises).
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#include "../core/buffer.hpp"
+#include "../core/rng.hpp"
+#include "compression.hpp"
+#include "module.hpp"
+
+namespace mnemo {
+
+namespace detail {
+/// f(i) for i in [0, n): split over OpenMP threads when `parallel`, else a plain loop that does not
+/// enter the OpenMP runtime at all (libgomp allocates a team even for a serialised `parallel if (0)`).
+template <class F>
+inline void compression_extra_for_each(index_t n, bool parallel, F&& f) {
+    if (parallel) {
+#pragma omp parallel for schedule(static)
+        for (index_t i = 0; i < n; ++i) f(i);
+    } else {
+        for (index_t i = 0; i < n; ++i) f(i);
+    }
+}
+}  // namespace detail
+
+namespace cpu_kernels {
+
+/// The per-key attention mass the memory slots receive, for most-used compression.
+struct attention_usage {
+    /// usage[j·batch + b] += Σ_h Σ_i probs[((b·heads + h)·q + i)·k + j]: the attention weights of
+    /// every head and every query on key j of batch element b, summed (heads outer, queries inner) and
+    /// added to usage. probs is [batch][heads][q][k] contiguous, as relative_attention keeps its
+    /// softmax output; usage is indexed as the key rows (key position·batch + b). Batch elements
+    /// write disjoint entries, so threads split them.
+    template <class T>
+    static void accumulate_key_usage(index_t batch, index_t heads, index_t q, index_t k, const T* probs, T* usage) {
+        mnemo::detail::compression_extra_for_each(batch, batch * heads * q * k >= 65536, [&](index_t b) {
+            for (index_t h = 0; h < heads; ++h) {
+                const T* p = probs + (b * heads + h) * q * k;
+                for (index_t i = 0; i < q; ++i) {
+                    const T* pi = p + i * k;
+                    for (index_t j = 0; j < k; ++j) usage[j * batch + b] += pi[j];
+                }
+            }
+        });
+    }
+};
+
+/// Most-used selection. Arguments as cpu_kernels::compression: `out_rows` = n·batch compressed rows,
+/// memory row (s·Rate + t)·batch + b for output row r = s·batch + b, `d` features, `ld*` row strides.
+struct most_used_selection {
+    /// arg[r] = the first t maximising usage[(s·Rate + t)·batch + b] (a NaN never wins);
+    /// out[r, :] = mem[(s·Rate + arg[r])·batch + b, :].
+    template <std::size_t Rate, class T, class I>
+    static void forward(index_t out_rows, index_t batch, index_t d, const T* usage, const T* mem, index_t ldm, T* out,
+                        index_t ldo, I* arg) {
+        constexpr index_t c = static_cast<index_t>(Rate);
+        mnemo::detail::compression_extra_for_each(out_rows, out_rows * d >= 65536, [&](index_t r) {
+            const index_t s = r / batch, b = r % batch;
+            index_t best = 0;
+            T best_u = usage[s * c * batch + b];
+            for (index_t t = 1; t < c; ++t) {
+                const T u = usage[(s * c + t) * batch + b];
+                if (u > best_u || (std::isnan(best_u) && !std::isnan(u))) {  // ties keep the first
+                    best = t;
+                    best_u = u;
+                }
+            }
+            arg[r] = static_cast<I>(best);
+            const T* m = mem + ((s * c + best) * batch + b) * ldm;
+            T* o = out + r * ldo;
+            for (index_t i = 0; i < d; ++i) o[i] = m[i];
+        });
+    }
+
+    /// d_mem[(s·Rate + t)·batch + b, :] = d_out[r, :] where t = arg[r], else 0 (assigned).
+    template <std::size_t Rate, class T, class I>
+    static void backward(index_t out_rows, index_t batch, index_t d, const T* d_out, index_t ldo, const I* arg,
+                         T* d_mem, index_t ldm) {
+        constexpr index_t c = static_cast<index_t>(Rate);
+        mnemo::detail::compression_extra_for_each(out_rows, out_rows * d * c >= 65536, [&](index_t r) {
+            const index_t s = r / batch, b = r % batch;
+            const T* g = d_out + r * ldo;
+            for (index_t t = 0; t < c; ++t) {
+                T* m = d_mem + ((s * c + t) * batch + b) * ldm;
+                if (static_cast<index_t>(arg[r]) == t)
+                    for (index_t i = 0; i < d; ++i) m[i] = g[i];
+                else
+                    for (index_t i = 0; i < d; ++i) m[i] = T(0);
+            }
+        });
+    }
+};
+
+}  // namespace cpu_kernels
+
+/// compression_extra_ops<Backend>: the kernels above, per backend (as compression_ops<Backend>).
+template <class Backend>
+struct compression_extra_ops {
+    static_assert(dependent_false<Backend>, "mnemo: this backend has no most-used/usage kernels: "
+                                            "compression_extra_ops<Backend> is not specialised for it");
+};
+template <>
+struct compression_extra_ops<cpu> : cpu_kernels::attention_usage {
+    using selection = cpu_kernels::most_used_selection;
+};
+
+/// usage[j·batch + b] += Σ_{h, i} probs[b][h][i][j] (CPU): the attention mass that key row j·batch + b
+/// received from every head and query. probs [batch][heads][q][k] contiguous (relative_attention's
+/// softmax output layout); usage has k·batch entries, indexed as the key rows.
+template <class T>
+void accumulate_key_usage(index_t batch, index_t heads, index_t q, index_t k, const T* probs, T* usage) {
+    MNEMO_CHECK(batch >= 0 && heads >= 0 && q >= 0 && k >= 0, "accumulate_key_usage: negative extent (batch ", batch,
+                ", heads ", heads, ", q ", q, ", k ", k, ")");
+    cpu_kernels::attention_usage::accumulate_key_usage(batch, heads, q, k, probs, usage);
+}
+
+namespace detail {
+template <class C>
+constexpr bool compression_needs_usage_impl() {
+    if constexpr (requires { C::needs_usage; }) return static_cast<bool>(C::needs_usage);
+    else return false;
+}
+
+/// log2(n) for n a power of two: the number of layers of dilated_conv_compression.
+constexpr std::size_t dilated_layer_count(std::size_t n) {
+    std::size_t l = 0;
+    while (n > 1) {
+        n >>= 1;
+        ++l;
+    }
+    return l;
+}
+}  // namespace detail
+
+/// True for a compression function that must be given the memory's usage (set_usage) before each
+/// forward: one that declares `static constexpr bool needs_usage = true`. False for every other one
+/// (the classes of nn/compression.hpp declare nothing).
+template <class C>
+inline constexpr bool compression_needs_usage = detail::compression_needs_usage_impl<std::remove_cvref_t<C>>();
+
+/// A stack of log2(Rate) Conv1d(D, D, kernel_size=2, stride=2) over the time axis, ReLU between layers.
+template <class T, std::size_t D, std::size_t Rate, class Backend = cpu>
+class dilated_conv_compression {
+    static_assert(Rate >= 2 && (Rate & (Rate - 1)) == 0,
+                  "mnemo: dilated_conv_compression needs a compression rate that is a power of two >= 2 (it is a "
+                  "stack of log2(Rate) convolutions of kernel 2 and stride 2)");
+    static_assert(D != dynamic, "mnemo: dilated_conv_compression needs a static d_model");
+    using K = ops<Backend>;
+    using C = compression_ops<Backend>;
+    using shape = detail::compression_shape<Rate>;
+    static constexpr index_t d_ = static_cast<index_t>(D);
+    static constexpr index_t k_ = 2 * d_;  // columns of X_k, and of W_k as [D, 2D]
+    static constexpr index_t n_layers_ = static_cast<index_t>(detail::dilated_layer_count(Rate));
+
+public:
+    static constexpr std::size_t rate = Rate;
+    static constexpr std::size_t features = D;
+    static constexpr bool has_parameters = true;
+    static constexpr bool needs_usage = false;
+    /// Number of stacked convolutions, log2(Rate).
+    static constexpr std::size_t layers = detail::dilated_layer_count(Rate);
+
+    /// Declares `<name>.convs.<k>.weight` [D, D, 2] and `<name>.convs.<k>.bias` [D] for k = 0 … layers − 1.
+    dilated_conv_compression(parameter_set<T>& ps, const std::string& name)
+        : name_(name), who_(shape::who("dilated_conv_compression", name)) {
+        for (std::size_t k = 0; k < layers; ++k) {
+            const std::string p = name + ".convs." + std::to_string(k);
+            weight_[k] = ps.declare(p + ".weight", {d_, d_, 2});
+            bias_[k] = ps.declare(p + ".bias", {d_});
+        }
+    }
+
+    /// PyTorch's Conv1d default per layer: W, b ~ U(−1/√(2D), 1/√(2D)) (fan_in = in_channels · kernel).
+    void reset_parameters(rng& r) const {
+        const double bound = 1.0 / std::sqrt(static_cast<double>(k_));
+        for (std::size_t k = 0; k < layers; ++k) {
+            for (index_t i = 0; i < weight_[k].size(); ++i) weight_[k].value()[i] = static_cast<T>(r.uniform(-bound, bound));
+            for (index_t i = 0; i < bias_[k].size(); ++i) bias_[k].value()[i] = static_cast<T>(r.uniform(-bound, bound));
+        }
+    }
+
+    /// Rows of the compressed memory for `mem_rows` memory rows (checked: a multiple of Rate·batch).
+    static index_t compressed_rows(index_t mem_rows, index_t batch) {
+        return shape::compressed_rows("dilated_conv_compression", mem_rows, batch);
+    }
+
+    /// out [n·batch, D] = f_c(mem [n·Rate·batch, D]); keeps every X_k and hidden h_k for backward.
+    template <view_of<T> M, view_of<T> O>
+    void forward(const M& mem, index_t batch, const O& out) {
+        static_assert(check_view<D, M, axis::d_model, Backend>());
+        static_assert(check_view<D, O, axis::d_model, Backend>());
+        shape::check_forward(who_, mem, batch, out, "out", d_);
+        const index_t mem_rows = mem.rows();
+        // X_k [mem_rows / 2^(k+1), 2D] holds mem_rows·D / 2^k elements; h_(k+1) [mem_rows / 2^(k+1), D].
+        T* x = x_.ensure(x_total(mem_rows));
+        T* h = h_.ensure(h_total(mem_rows));
+        const T* in = mem.data();
+        index_t ld_in = mem.ld(), rows_in = mem_rows;
+        for (index_t k = 0; k < n_layers_; ++k) {
+            const index_t rows = rows_in / 2;
+            T* xk = x + x_offset(mem_rows, k);
+            C::template im2col_time<2>(rows, batch, d_, in, ld_in, xk);
+            const bool last = k + 1 == n_layers_;
+            T* y = last ? out.data() : h + h_offset(mem_rows, k + 1);
+            const index_t ldy = last ? out.ld() : d_;
+            K::gemm_nt(rows, d_, k_, xk, k_, weight_[std::size_t(k)].value(), k_, y, ldy);
+            K::add_bias_rows(rows, d_, bias_[std::size_t(k)].value(), y, ldy);
+            if (!last) K::relu_forward(rows * d_, y, y);  // dense: ldy = D
+            in = y;
+            ld_in = ldy;
+            rows_in = rows;
+        }
+        saved_rows_ = mem_rows;
+        saved_batch_ = batch;
+    }
+
+    /// dW_k += …, db_k += … for every layer; d_mem = ∂/∂mem (assigned; skipped when d_mem has no data).
+    /// Reads what the last forward kept, which must have been over this mem.
+    template <view_of<T> M, view_of<T> DO, view_of<T> DM>
+    void backward(const M& mem, index_t batch, const DO& d_out, const DM& d_mem) {
+        static_assert(check_view<D, M, axis::d_model, Backend>());
+        static_assert(check_view<D, DO, axis::d_model, Backend>());
+        static_assert(check_view<D, DM, axis::d_model, Backend>());
+        shape::check_backward(who_, mem, batch, d_out, d_mem, d_);
+        shape::check_saved(who_, mem.rows(), batch, saved_rows_, saved_batch_);
+        const index_t mem_rows = mem.rows();
+        const bool want_dmem = d_mem.data() != nullptr;
+        T* dx = (n_layers_ > 1 || want_dmem) ? dx_.ensure(mem_rows * d_) : nullptr;  // dX_k, largest at k = 0
+        T* dh = n_layers_ > 1 ? dh_.ensure(mem_rows / 2 * d_) : nullptr;             // dh_k, largest at k = 1
+        const T* x = x_.data();
+        const T* h = h_.data();
+        const T* g = d_out.data();  // gradient of layer k's output (pre-activation)
+        index_t ldg = d_out.ld();
+        for (index_t k = n_layers_ - 1; k >= 0; --k) {
+            const index_t rows = mem_rows >> (k + 1);
+            const T* xk = x + x_offset(mem_rows, k);
+            const param<T>& w = weight_[std::size_t(k)];
+            K::gemm_tn(d_, k_, rows, g, ldg, xk, k_, w.grad(), k_, T(1));
+            K::sum_rows_accumulate(rows, d_, g, ldg, bias_[std::size_t(k)].grad());
+            if (k == 0 && !want_dmem) break;
+            K::gemm_nn(rows, k_, d_, g, ldg, w.value(), k_, dx, k_);
+            if (k == 0) {
+                C::template col2im_time<2>(rows, batch, d_, dx, d_mem.data(), d_mem.ld());
+            } else {
+                // d h_k, then through the ReLU that made h_k (relu'(y) = [relu(y) > 0]); g was read above.
+                C::template col2im_time<2>(rows, batch, d_, dx, dh, d_);
+                K::relu_backward(2 * rows * d_, h + h_offset(mem_rows, k), dh, dh);
+                g = dh;
+                ldg = d_;
+            }
+        }
+    }
+
+    const std::string& name() const { return name_; }
+    /// Layer k's weight [D, D, 2] and bias [D], k < layers.
+    const param<T>& weight(index_t k) const { return weight_[std::size_t(checked_layer(k))]; }
+    const param<T>& bias(index_t k) const { return bias_[std::size_t(checked_layer(k))]; }
+
+private:
+    index_t checked_layer(index_t k) const {
+        MNEMO_CHECK(k >= 0 && k < n_layers_, who_, ": layer ", k, " out of range [0, ", n_layers_, ")");
+        return k;
+    }
+    // X_k starts after X_0 … X_(k−1), of mem_rows·D / 2^j elements each.
+    static index_t x_offset(index_t mem_rows, index_t k) {
+        index_t off = 0;
+        for (index_t j = 0; j < k; ++j) off += (mem_rows >> (j + 1)) * k_;
+        return off;
+    }
+    static index_t x_total(index_t mem_rows) { return x_offset(mem_rows, n_layers_); }
+    // h_k (k = 1 … layers − 1, the hidden outputs) starts after h_1 … h_(k−1) of mem_rows / 2^j rows each.
+    static index_t h_offset(index_t mem_rows, index_t k) {
+        index_t off = 0;
+        for (index_t j = 1; j < k; ++j) off += (mem_rows >> j) * d_;
+        return off;
+    }
+    static index_t h_total(index_t mem_rows) { return h_offset(mem_rows, n_layers_); }
+
+    std::string name_, who_;
+    std::array<param<T>, layers> weight_;  // [D, D, 2] each, read as [D, 2D] with column i·2 + t
+    std::array<param<T>, layers> bias_;    // [D] each
+    buffer<T> x_;                          // X_0 … X_(L−1), kept by forward
+    buffer<T> h_;                          // h_1 … h_(L−1) (after ReLU), kept by forward
+    buffer<T> dx_, dh_;                    // backward scratch
+    index_t saved_rows_ = -1, saved_batch_ = 0;
+};
+
+/// Keeps the most-attended slot of each window of Rate slots. No parameters; needs set_usage().
+template <class T, std::size_t D, std::size_t Rate, class Backend = cpu>
+class most_used_compression {
+    static_assert(expect_compression_rate<Rate>::value);
+    static_assert(D != dynamic, "mnemo: most_used_compression needs a static d_model");
+    using K = compression_extra_ops<Backend>;
+    using shape = detail::compression_shape<Rate>;
+    static constexpr index_t d_ = static_cast<index_t>(D);
+    using arg_t = std::conditional_t<(Rate <= 256), std::uint8_t, std::uint32_t>;
+
+public:
+    static constexpr std::size_t rate = Rate;
+    static constexpr std::size_t features = D;
+    static constexpr bool has_parameters = false;
+    static constexpr bool needs_usage = true;
+
+    /// Declares nothing; `name` is kept for messages.
+    most_used_compression(parameter_set<T>&, const std::string& name)
+        : name_(name), who_(shape::who("most_used_compression", name)) {}
+
+    void reset_parameters(rng&) const {}
+
+    static index_t compressed_rows(index_t mem_rows, index_t batch) {
+        return shape::compressed_rows("most_used_compression", mem_rows, batch);
+    }
+
+    /// The usage of the memory the next forward compresses: usage[t·batch + b] is the attention mass
+    /// memory row t·batch + b received (e.g. summed with accumulate_key_usage); `rows` entries, one per
+    /// memory row. Copied (into a buffer that grows and is reused); it stays in effect, for every
+    /// forward over `rows` memory rows, until the next set_usage or clear_usage.
+    void set_usage(const T* usage, index_t rows) {
+        MNEMO_CHECK(rows >= 0, who_, ": set_usage with a negative row count ", rows);
+        MNEMO_CHECK(rows == 0 || usage != nullptr, who_, ": set_usage with no data for ", rows, " rows");
+        T* u = usage_.ensure(rows);
+        if (rows > 0) std::memcpy(u, usage, sizeof(T) * static_cast<std::size_t>(rows));
+        usage_rows_ = rows;
+    }
+    void clear_usage() { usage_rows_ = -1; }
+    bool has_usage() const { return usage_rows_ >= 0; }
+    /// Memory rows the current usage covers (−1 when none was set).
+    index_t usage_rows() const { return usage_rows_; }
+
+    /// out [n·batch, D] = the most-used slot of each window of mem [n·Rate·batch, D]; keeps the choice.
+    template <view_of<T> M, view_of<T> O>
+    void forward(const M& mem, index_t batch, const O& out) {
+        static_assert(check_view<D, M, axis::d_model, Backend>());
+        static_assert(check_view<D, O, axis::d_model, Backend>());
+        const index_t rows = shape::check_forward(who_, mem, batch, out, "out", d_);
+        MNEMO_CHECK(usage_rows_ >= 0, who_, ": no usage was set: call set_usage(usage, ", mem.rows(),
+                    ") with the attention mass of each memory row before forward");
+        MNEMO_CHECK(usage_rows_ == mem.rows(), who_, ": the usage was set for ", usage_rows_,
+                    " memory rows but forward got ", mem.rows(), " memory rows");
+        K::selection::template forward<Rate>(rows, batch, d_, usage_.data(), mem.data(), mem.ld(), out.data(),
+                                             out.ld(), arg_.ensure(rows));
+        saved_rows_ = mem.rows();
+        saved_batch_ = batch;
+    }
+
+    /// d_mem = d_out at each window's chosen slot, 0 elsewhere (assigned; skipped when d_mem has no
+    /// data). Reads the choice kept by the last forward, which must have been over this mem.
+    template <view_of<T> M, view_of<T> DO, view_of<T> DM>
+    void backward(const M& mem, index_t batch, const DO& d_out, const DM& d_mem) {
+        static_assert(check_view<D, M, axis::d_model, Backend>());
+        static_assert(check_view<D, DO, axis::d_model, Backend>());
+        static_assert(check_view<D, DM, axis::d_model, Backend>());
+        const index_t rows = shape::check_backward(who_, mem, batch, d_out, d_mem, d_);
+        shape::check_saved(who_, mem.rows(), batch, saved_rows_, saved_batch_);
+        if (d_mem.data())
+            K::selection::template backward<Rate>(rows, batch, d_, d_out.data(), d_out.ld(), arg_.data(),
+                                                  d_mem.data(), d_mem.ld());
+    }
+
+    const std::string& name() const { return name_; }
+
+private:
+    std::string name_, who_;
+    buffer<T> usage_;      // [usage_rows_], copied by set_usage
+    buffer<arg_t> arg_;    // [n·batch]: window position chosen per output row, kept by forward
+    index_t usage_rows_ = -1;
+    index_t saved_rows_ = -1, saved_batch_ = 0;
+};
+
+}  // namespace mnemo

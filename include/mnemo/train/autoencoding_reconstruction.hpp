@@ -1,0 +1,198 @@
+#pragma once
+// Auto-encoding loss of the Compressive Transformer (Rae et al., 2019, §3.2): the paper's alternative
+// to the attention-reconstruction loss (attention_reconstruction.hpp). A decoder g reconstructs the
+// memory slots a layer just compressed away from their compression; for one layer, with m those
+// n·c slots ([n·c·batch rows, D], row = t·batch + b, a constant) and c = Rate:
+//
+//   cm   = f_c(m)                                     the layer's compression function, current weights
+//   m̂    = g(cm)                                      the decoder below
+//   loss = mean( (m̂ − m)² )                           F.mse_loss(g(f_c(m)), m), over all n·c·batch·D
+//
+// Its gradient reaches only f_c's parameters and g's parameters (m is detached):
+//   d m̂ = 2 (m̂ − m) / N,  N = n·c·batch·D    →  g.backward  →  d cm  →  f_c.backward (d m not needed)
+//
+// The decoder g: torch.nn.ConvTranspose1d(D, D, kernel_size=c, stride=c) over time, applied as
+// g(cm.permute(1, 2, 0)).permute(2, 0, 1). `<prefix>.weight` [D, D, c] (PyTorch ConvTranspose
+// layout [in, out, kernel]), `<prefix>.bias` [D]. Kernel = stride, so each output slot comes from
+// exactly one input slot:
+//
+//   out[(s·c + t)·batch + b, o] = bias[o] + Σ_i cm[s·batch + b, i] · W[i, o, t]
+//
+// W read as [D, D·c] has column o·c + t, so one GEMM Y = cm·W [n·batch, D·c] holds
+// out[(s·c + t)·batch + b, o] at Y[s·batch + b, o·c + t]: exactly the im2col layout of the
+// compression functions, and col2im_time scatters it (assigning: every output row is written once).
+// Backward gathers d_out the same way, dY = im2col(d_out):
+//   dW += cmᵀ·dY        db += Σ_rows d_out        d cm = dY·Wᵀ
+// PyTorch's default initialisation (kaiming_uniform(a=√5)): W, b ~ U(−1/√fan_in, 1/√fan_in) with
+// fan_in = weight.size(1)·kernel = D·c for a ConvTranspose weight [in, out, kernel].
+//
+// Calling order (as attention_reconstruction, and compressive_transformer::reconstruction_loss):
+// compute after the model's memory merge, over the slots that merge compressed away. compute runs
+// f_c.forward on m itself and then, with gradients, f_c.backward at once, so it overwrites whatever
+// f_c kept from an earlier forward (the merge's compression, which has no gradient path and needs
+// none of it). Do not call it between an f_c.forward and the f_c.backward that should read it.
+//
+// Backward contract (module.hpp): parameter gradients +=. Buffers grow to the largest memory seen
+// and are reused, so steady-state calls do not allocate.
+#include <cmath>
+#include <string>
+
+#include "../core/buffer.hpp"
+#include "../core/rng.hpp"
+#include "../nn/compression.hpp"
+#include "../nn/module.hpp"
+
+namespace mnemo {
+
+/// ConvTranspose1d(D, D, kernel_size=Rate, stride=Rate) over the time axis, with bias: the decoder
+/// of the auto-encoding loss, [n·batch, D] → [n·Rate·batch, D].
+template <class T, std::size_t D, std::size_t Rate, class Backend = cpu>
+class conv_transpose_decoder {
+    using K = ops<Backend>;
+    using C = compression_ops<Backend>;
+    static_assert(expect_compression_rate<Rate>::value);
+    static_assert(D != dynamic, "mnemo: conv_transpose_decoder needs a static d_model");
+    static constexpr index_t d_ = static_cast<index_t>(D);
+    static constexpr index_t c_ = static_cast<index_t>(Rate);
+    static constexpr index_t k_ = static_cast<index_t>(D * Rate);  // columns of Y, and of W as [D, D·Rate]
+
+public:
+    static constexpr std::size_t rate = Rate;
+    static constexpr std::size_t features = D;
+
+    /// Declares `<prefix>.weight` [D, D, Rate] ([in, out, kernel]) and `<prefix>.bias` [D].
+    conv_transpose_decoder(parameter_set<T>& ps, const std::string& prefix)
+        : name_(prefix), who_("conv_transpose_decoder '" + prefix + "'") {
+        weight_ = ps.declare(prefix + ".weight", {d_, d_, c_});
+        bias_ = ps.declare(prefix + ".bias", {d_});
+    }
+
+    /// PyTorch's ConvTranspose1d default: W, b ~ U(−1/√(D·Rate), 1/√(D·Rate)) (fan_in =
+    /// weight.size(1) · kernel = out_channels · Rate). Weight first, then bias.
+    void reset_parameters(rng& r) const {
+        const double bound = 1.0 / std::sqrt(static_cast<double>(k_));
+        for (index_t i = 0; i < weight_.size(); ++i) weight_.value()[i] = static_cast<T>(r.uniform(-bound, bound));
+        for (index_t i = 0; i < bias_.size(); ++i) bias_.value()[i] = static_cast<T>(r.uniform(-bound, bound));
+    }
+
+    /// Rows of the decoded memory for `cm_rows` compressed rows: cm_rows · Rate.
+    static constexpr index_t decoded_rows(index_t cm_rows) { return cm_rows * c_; }
+
+    /// out [n·Rate·batch, D] = g(cm [n·batch, D]) (assigned). Keeps nothing: backward takes cm again.
+    template <view_of<T> CM, view_of<T> O>
+    void forward(const CM& cm, index_t batch, const O& out) {
+        static_assert(check_view<D, CM, axis::d_model, Backend>());
+        static_assert(check_view<D, O, axis::d_model, Backend>());
+        const index_t rows = check(cm, batch, out, "out");
+        T* y = y_.ensure(rows * k_);  // Y [n·batch, D·Rate], column o·Rate + t
+        K::gemm_nn(rows, k_, d_, cm.data(), cm.ld(), weight_.value(), k_, y, k_);
+        C::template col2im_time<Rate>(rows, batch, d_, y, out.data(), out.ld());
+        K::add_bias_rows(rows * c_, d_, bias_.value(), out.data(), out.ld());
+    }
+
+    /// dW += cmᵀ·im2col(d_out), db += Σ d_out; d_cm = ∂/∂cm (assigned; skipped when d_cm has no
+    /// data). cm is the decoder's input of the forward this gradient belongs to.
+    template <view_of<T> CM, view_of<T> DO, view_of<T> DC>
+    void backward(const CM& cm, index_t batch, const DO& d_out, const DC& d_cm) {
+        static_assert(check_view<D, CM, axis::d_model, Backend>());
+        static_assert(check_view<D, DO, axis::d_model, Backend>());
+        static_assert(check_view<D, DC, axis::d_model, Backend>());
+        const index_t rows = check(cm, batch, d_out, "d_out");
+        if (d_cm.data()) {
+            check_cols(d_cm, d_, who_.c_str(), "d_cm");
+            MNEMO_CHECK(d_cm.rows() == rows, who_, ": d_cm has ", d_cm.rows(), " rows but cm has ", rows);
+        }
+        T* dy = dy_.ensure(rows * k_);  // dY [n·batch, D·Rate]
+        C::template im2col_time<Rate>(rows, batch, d_, d_out.data(), d_out.ld(), dy);
+        K::gemm_tn(d_, k_, rows, cm.data(), cm.ld(), dy, k_, weight_.grad(), k_, T(1));
+        K::sum_rows_accumulate(rows * c_, d_, d_out.data(), d_out.ld(), bias_.grad());
+        if (d_cm.data()) K::gemm_nt(rows, d_, k_, dy, k_, weight_.value(), k_, d_cm.data(), d_cm.ld());
+    }
+
+    const std::string& name() const { return name_; }
+    const param<T>& weight() const { return weight_; }
+    const param<T>& bias() const { return bias_; }
+
+private:
+    // cm [n·batch, D] and the decoded side [n·Rate·batch, D]; returns n·batch.
+    template <class CM, class O>
+    index_t check(const CM& cm, index_t batch, const O& out, const char* out_name) const {
+        check_cols(cm, d_, who_.c_str(), "cm");
+        check_cols(out, d_, who_.c_str(), out_name);
+        MNEMO_CHECK(batch > 0, who_, ": batch must be positive, got ", batch);
+        const index_t rows = cm.rows();
+        MNEMO_CHECK(rows % batch == 0, who_, ": cm has ", rows, " rows, not a multiple of batch ", batch);
+        MNEMO_CHECK(out.rows() == rows * c_, who_, ": ", out_name, " has ", out.rows(), " rows, expected cm rows ",
+                    rows, " x rate ", Rate, " = ", rows * c_);
+        return rows;
+    }
+
+    std::string name_, who_;
+    param<T> weight_;  // [D, D, Rate] = [in, out, kernel], read as [D, D·Rate] with column o·Rate + t
+    param<T> bias_;    // [D]
+    buffer<T> y_;      // Y  [n·batch, D·Rate], forward scratch
+    buffer<T> dy_;     // dY [n·batch, D·Rate], backward scratch
+};
+
+/// The auto-encoding loss of one layer: mean((g(f_c(m)) − m)²), gradients into f_c and g only.
+template <class T, std::size_t D, std::size_t Rate, class Backend = cpu>
+class autoencoding_reconstruction {
+    static constexpr index_t d_ = static_cast<index_t>(D);
+    static constexpr index_t c_ = static_cast<index_t>(Rate);
+
+public:
+    using decoder_type = conv_transpose_decoder<T, D, Rate, Backend>;
+
+    /// The loss for m [n·Rate·batch, D] (the slots just compressed away; rows a multiple of
+    /// Rate·batch); 0 for an empty m. When `with_grad`, g's and f_c's parameter gradients +=
+    /// d loss / d θ; no other gradient is touched. Runs f_c.forward, overwriting what f_c kept (see
+    /// the header comment: call after the memory merge).
+    template <class Compression>
+    double compute(Compression& f_c, decoder_type& g, view<const T, D, Backend> m, index_t batch, bool with_grad) {
+        static_assert(Compression::rate == Rate, "mnemo: autoencoding_reconstruction: the compression function's "
+                                                 "rate differs from the decoder's");
+        static_assert(Compression::features == D, "mnemo: autoencoding_reconstruction: the compression function's "
+                                                  "d_model differs from the decoder's");
+        // Checked here rather than through Compression::compressed_rows, which builds a std::string
+        // for its message on every call (a heap allocation for names past the short-string buffer).
+        const index_t mb = m.rows();
+        MNEMO_CHECK(batch > 0, "autoencoding_reconstruction: batch must be positive, got ", batch);
+        MNEMO_CHECK(mb % (c_ * batch) == 0, "autoencoding_reconstruction: memory has ", mb,
+                    " rows, not a multiple of compression rate ", Rate, " x batch ", batch, " = ", c_ * batch);
+        if (mb == 0) return 0.0;
+        const index_t cb = mb / c_;
+        view<T, D, Backend> cm(cm_.ensure(cb * d_), cb), y(y_.ensure(mb * d_), mb);
+        f_c.forward(m, batch, cm);
+        g.forward(view<const T, D, Backend>(cm), batch, y);
+
+        // MSE, summed in double in a fixed order; y becomes y − m.
+        const index_t n = mb * d_;
+        double sum = 0;
+        for (index_t r = 0; r < mb; ++r) {
+            T* yr = y.row(r);
+            const T* mr = m.row(r);
+            for (index_t i = 0; i < d_; ++i) {
+                yr[i] -= mr[i];
+                sum += double(yr[i]) * double(yr[i]);
+            }
+        }
+        const double loss = sum / double(n);
+        if (!with_grad) return loss;
+
+        const T scale = static_cast<T>(2.0 / double(n));
+        for (index_t i = 0; i < n; ++i) y.data()[i] *= scale;  // now d loss / d y
+        if constexpr (Compression::has_parameters) {
+            view<T, D, Backend> dcm(dcm_.ensure(cb * d_), cb);
+            g.backward(view<const T, D, Backend>(cm), batch, view<const T, D, Backend>(y), dcm);
+            f_c.backward(m, batch, view<const T, D, Backend>(dcm), view<T, D, Backend>());
+        } else {
+            g.backward(view<const T, D, Backend>(cm), batch, view<const T, D, Backend>(y), view<T, D, Backend>());
+        }
+        return loss;
+    }
+
+private:
+    buffer<T> cm_, y_, dcm_;  // f_c(m) [n·batch, D], g(cm) then its gradient [n·Rate·batch, D], d cm
+};
+
+}  // namespace mnemo
