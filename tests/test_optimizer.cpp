@@ -531,3 +531,63 @@ TEST_CASE("optimizers: an empty buffer is a valid no-op") {
     CHECK(opt.step_count() == 1);
     CHECK(opt.exp_avg().empty());
 }
+
+// adamw and labml_adam skip the moment updates of blocks that have only ever seen zero gradients
+// (the positional tables' unused rows). That must be bitwise the full update: compared here with a
+// hand-written loop of it, element by element, with blocks turning live after some steps, signed
+// zeros in parameters and gradients, and a restored state.
+TEST_CASE_TEMPLATE("adamw, labml_adam: blocks that never had gradient are updated bitwise as the full loop", T, float,
+                   double) {
+    const mnemo::index_t n = 5000;  // several 1024-element blocks and a partial one
+    std::vector<T> p(n), g(n);
+    mnemo::rng r(11);
+    for (auto& x : p) x = T(r.uniform(-1, 1));
+    for (mnemo::index_t i = 0; i < 300; i += 7) p[std::size_t(i)] = T(0);  // zeros, including a signed one
+    p[1] = T(-0.0);
+    std::vector<T> pw = p, pl = p, ref_w = p, ref_l = p, mw(n), vw(n), ml(n), vl(n);
+    mnemo::adamw<T> aw(n, {.lr = 1e-2, .weight_decay = 0.1});
+    mnemo::labml_adam<T> al(n, {.lr = 1e-2, .weight_decay = 0.05});
+    for (int step = 1; step <= 6; ++step) {
+        // Gradient only in [2048, 3000) for the first steps, then also in the first block.
+        for (mnemo::index_t i = 0; i < n; ++i) {
+            const bool live = (i >= 2048 && i < 3000) || (step >= 4 && i < 100);
+            g[std::size_t(i)] = live ? T(r.uniform(-1, 1)) : T(step == 2 && i == 4500 ? -0.0 : 0.0);
+        }
+        const double lr = 1e-2 * step;
+        aw.step(pw.data(), g.data(), n, lr);
+        al.step(pl.data(), g.data(), n, lr);
+        // The full loops, element by element, as the optimizers write them.
+        const double bc1 = 1.0 - std::pow(0.9, step), bc2 = 1.0 - std::pow(0.999, step);
+        for (mnemo::index_t i = 0; i < n; ++i) {
+            const std::size_t k = std::size_t(i);
+            {
+                const T decay = T(1.0 - mnemo::detail::optim::product(lr, 0.1));
+                const T pi = mnemo::detail::optim::product(ref_w[k], decay);
+                mw[k] = mnemo::detail::optim::fmadd(T(1.0 - 0.9), g[k], mw[k] * T(0.9));
+                vw[k] = mnemo::detail::optim::fmadd(T(1.0 - 0.999) * g[k], g[k], vw[k] * T(0.999));
+                const T denom = std::sqrt(vw[k]) / T(std::sqrt(bc2)) + T(1e-8);
+                ref_w[k] = pi + (T(-(lr / bc1)) * mw[k]) / denom;
+            }
+            {
+                const T decay = T(1.0 - mnemo::detail::optim::product(1e-2, 0.05));
+                const T pi = mnemo::detail::optim::product(ref_l[k], decay);
+                ml[k] = mnemo::detail::optim::fmadd(T(1.0 - 0.9), g[k], ml[k] * T(0.9));
+                vl[k] = mnemo::detail::optim::fmadd(T(1.0 - 0.999) * g[k], g[k], vl[k] * T(0.999));
+                const T denom = std::sqrt(vl[k]) + T(1e-8);
+                ref_l[k] = pi + (T(-(lr * std::sqrt(bc2) / bc1)) * ml[k]) / denom;
+            }
+        }
+        CHECK(std::memcmp(pw.data(), ref_w.data(), sizeof(T) * std::size_t(n)) == 0);
+        CHECK(std::memcmp(pl.data(), ref_l.data(), sizeof(T) * std::size_t(n)) == 0);
+        CHECK(std::memcmp(aw.exp_avg().data(), mw.data(), sizeof(T) * std::size_t(n)) == 0);
+        CHECK(std::memcmp(al.exp_avg_sq().data(), vl.data(), sizeof(T) * std::size_t(n)) == 0);
+    }
+    // A restored state with moments in a block that has no gradient now: that block is warm.
+    mnemo::adamw<T> restored(n, {.lr = 1e-2, .weight_decay = 0.1});
+    restored.set_state(aw.step_count(), aw.exp_avg(), aw.exp_avg_sq());
+    std::vector<T> pr = pw;
+    std::fill(g.begin(), g.end(), T(0));
+    aw.step(pw.data(), g.data(), n, 1e-2);
+    restored.step(pr.data(), g.data(), n, 1e-2);
+    CHECK(std::memcmp(pw.data(), pr.data(), sizeof(T) * std::size_t(n)) == 0);
+}

@@ -41,6 +41,7 @@
 #include <cstdint>
 #include <span>
 #include <type_traits>
+#include <vector>
 
 #include "../core/parallel.hpp"
 #include "../core/buffer.hpp"
@@ -184,6 +185,12 @@ public:
         detail::optim::copy_state(exp_avg, m_.data());
         detail::optim::copy_state(exp_avg_sq, v_.data());
         step_ = step;
+        for (index_t b = 0; b < index_t(cold_.size()); ++b) {
+            const index_t i0 = b * cold_block, i1 = std::min(n_, i0 + cold_block);
+            bool zero = true;
+            for (index_t i = i0; i < i1 && zero; ++i) zero = m_[std::size_t(i)] == T(0) && v_[std::size_t(i)] == T(0);
+            cold_[std::size_t(b)] = zero;
+        }
     }
 
 protected:
@@ -191,12 +198,42 @@ protected:
         : n_((detail::optim::check_size(n, who), n)),
           m_(static_cast<std::size_t>(n), T(0)),
           v_(static_cast<std::size_t>(n), T(0)),
+          cold_(static_cast<std::size_t>((n + cold_block - 1) / cold_block), 1),
           who_(who) {}
 
+    /// The update loop of the decoupled-decay Adam variants, by blocks of cold_block elements. A block
+    /// whose moments are still exactly zero ("cold": it has never had a non-zero gradient) and whose
+    /// gradient is all zero gets only decay(i0, i1): for such an element Adam's update is exactly
+    /// p·(1 − lr·wd), since m and v stay 0 and the step term is ±0 / ε. Every other block gets
+    /// update(i0, i1) and is warm from then on. Results are bitwise those of the plain loop; the
+    /// saving is the traffic over parameters that never receive gradient, such as the rows of the
+    /// relative-position tables (P = 4096) outside the window a model's lengths ever reach.
+    template <class Update, class Decay>
+    void sweep(const T* grads, Update&& update, Decay&& decay) {
+        const index_t blocks = index_t(cold_.size());
+        parallel_range(blocks, n_ >= detail::optim::elementwise_parallel_threshold, [&](index_t b0, index_t b1) {
+            for (index_t b = b0; b < b1; ++b) {
+                const index_t i0 = b * cold_block, i1 = std::min(n_, i0 + cold_block);
+                if (cold_[std::size_t(b)]) {
+                    bool zero = true;
+                    for (index_t i = i0; i < i1; ++i) zero &= grads[i] == T(0);
+                    if (zero) {
+                        decay(i0, i1);
+                        continue;
+                    }
+                    cold_[std::size_t(b)] = 0;
+                }
+                update(i0, i1);
+            }
+        });
+    }
+
+    static constexpr index_t cold_block = 1024;
     index_t n_;
     std::int64_t step_ = 0;
     aligned_vector<T> m_;  // (n) first moment
     aligned_vector<T> v_;  // (n) second moment
+    std::vector<std::uint8_t> cold_;  // per block of cold_block: moments known to be exactly zero
     const char* who_;
 };
 
@@ -235,7 +272,7 @@ public:
         const T neg_step_size = static_cast<T>(-(lr / bias_correction1));
         T* m = this->m_.data();
         T* v = this->v_.data();
-        parallel_range(n, n >= detail::optim::elementwise_parallel_threshold, [&](index_t i_begin, index_t i_end) {
+        this->sweep(grads, [&](index_t i_begin, index_t i_end) {
         for (index_t i = i_begin; i < i_end; ++i) {
             const T g = grads[i];
             const T p = detail::optim::product(params[i], decay);                   // param.mul_(1 - lr*wd)
@@ -246,6 +283,9 @@ public:
             const T denom = std::sqrt(vi) / bias_correction2_sqrt + eps;
             params[i] = p + (neg_step_size * mi) / denom;  // param.addcdiv_(m, denom, -step_size)
         }
+        }, [&](index_t i_begin, index_t i_end) {
+            if (decay != T(1))
+                for (index_t i = i_begin; i < i_end; ++i) params[i] = detail::optim::product(params[i], decay);
         });
     }
 
@@ -436,7 +476,7 @@ public:
         const T neg_step_size = static_cast<T>(-(lr_t * std::sqrt(bias_correction2) / bias_correction1));
         T* m = this->m_.data();
         T* v = this->v_.data();
-        parallel_range(n, n >= detail::optim::elementwise_parallel_threshold, [&](index_t i_begin, index_t i_end) {
+        this->sweep(grads, [&](index_t i_begin, index_t i_end) {
         for (index_t i = i_begin; i < i_end; ++i) {
             const T g = grads[i];
             const T p = detail::optim::product(params[i], decay);  // WeightDecay: param.mul_(1 - lr*wd), first
@@ -447,6 +487,9 @@ public:
             const T denom = std::sqrt(vi) + eps;  // v.sqrt().add_(eps)
             params[i] = p + (neg_step_size * mi) / denom;
         }
+        }, [&](index_t i_begin, index_t i_end) {
+            if (decay != T(1))
+                for (index_t i = i_begin; i < i_end; ++i) params[i] = detail::optim::product(params[i], decay);
         });
     }
 
