@@ -2,20 +2,25 @@
 // reconstruction loss, backward, clipping, AdamW, memory merge and compression), a forward-only
 // segment, and streaming generation one token at a time with memory carried.
 //
-//   build/benchmarks/bench_models                                   all rows
+//   build/benchmarks/bench_models --benchmark_filter=-scaling       the A/B/C rows
+//   build/benchmarks/bench_models --benchmark_filter=scaling        growth with seq, mem, c_mem
 //   build/benchmarks/bench_models --benchmark_filter=train_A        one row
 //
 // Configurations (the performance issue's):
 //   A  the reference experiment: d_model 128, heads 4, d_ff 256, 6 layers, seq 8, mem 8, c_mem 128, c 2, batch 32, vocab 65
 //   B  d_model 256, heads 8, d_ff 1024, 6 layers, seq 128, mem 128, c_mem 128, c 4, batch 8, vocab 65
 //   C  d_model 512, heads 8, d_ff 2048, 6 layers, seq 256, mem 256, c_mem 256, c 4, batch 4, vocab 256
-// Counters: tokens/s, ms per step, and GFLOP/s of the step's dense arithmetic (counted below).
+// Counters: tokens/s, ms per step, GFLOP/s of the step's dense arithmetic (counted below), and
+// peak_frac, that rate over this machine's FP32 peak measured in the same process (peak.hpp).
 #include <benchmark/benchmark.h>
+#include <omp.h>
 
 #include <chrono>
 #include <vector>
 
 #include <mnemo/mnemo.hpp>
+
+#include "peak.hpp"
 
 namespace {
 
@@ -52,6 +57,12 @@ double forward_flops(const shape& s) {
     return double(s.n_layers) * per_layer + 2 * rows * D * double(s.vocab);
 }
 
+// peak_frac: the step's GFLOP/s over this machine's FP32 peak at the same thread count (peak.hpp).
+void add_peak_frac(benchmark::State& state, double flops_per_iter) {
+    const double peak = mnemo_bench::peak_gflops(omp_get_max_threads());
+    state.counters["peak_frac"] = benchmark::Counter(flops_per_iter / 1e9 / peak, benchmark::Counter::kIsIterationInvariantRate);
+}
+
 // Brings the memory to its steady state (full memory and compressed memory).
 template <class Model>
 void fill_memory(Model& m, typename Model::memory_type& mem, const shape& s) {
@@ -85,6 +96,7 @@ void BM_train(benchmark::State& state, shape s) {
     state.counters["ms/step"] = benchmark::Counter(1e-3, benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
     // forward + backward ≈ 3× the forward's arithmetic
     state.counters["GFLOP/s"] = benchmark::Counter(3 * forward_flops<Cfg>(s) / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+    add_peak_frac(state, 3 * forward_flops<Cfg>(s));
 }
 
 template <class Cfg>
@@ -98,13 +110,18 @@ void BM_forward(benchmark::State& state, shape s) {
     for (auto _ : state) benchmark::DoNotOptimize(model.forward(tokens, s.batch, mem).data());
     state.counters["tokens/s"] = benchmark::Counter(double(s.seq * s.batch), benchmark::Counter::kIsIterationInvariantRate);
     state.counters["GFLOP/s"] = benchmark::Counter(forward_flops<Cfg>(s) / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+    add_peak_frac(state, forward_flops<Cfg>(s));
 }
 
-// One token per stream per step, memory carried and merged (compressing every c tokens).
+// One token per stream per step, memory carried and merged (compressing every c tokens). With
+// `cached`, the model keeps the projected keys and values of the memory between tokens
+// (cache_memory_projections) and projects only the new slots; without, every token projects the whole
+// memory again, as the PyTorch reference does.
 template <class Cfg>
-void BM_generate(benchmark::State& state, shape s) {
+void BM_generate(benchmark::State& state, shape s, bool cached = true) {
     model_t<Cfg> model({.vocab = s.vocab, .n_layers = s.n_layers, .d_ff = s.d_ff});
     model.reset_parameters(1);
+    model.cache_memory_projections(cached);
     auto mem = model.make_memory(s.mem, s.c_mem);
     mem.reset(1, s.seq);
     shape one = s;
@@ -120,6 +137,26 @@ void BM_generate(benchmark::State& state, shape s) {
     state.counters["ms/token"] = benchmark::Counter(1e-3, benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
 }
 
+// Scaling: the training step and per-token generation of configuration B's model (d_model 256, 8
+// heads, c = 4, 6 layers) as one length grows, the others held at B's values (seq 128, mem 128,
+// c_mem 128; batch 1 for generation). Args: seq_len, mem_len, c_mem_len.
+template <class Cfg>
+void BM_train_scaling(benchmark::State& state) {
+    shape s = B;
+    s.seq = state.range(0);
+    s.mem = state.range(1);
+    s.c_mem = state.range(2);
+    BM_train<Cfg>(state, s);
+}
+template <class Cfg>
+void BM_generate_scaling(benchmark::State& state) {
+    shape s = B;
+    s.seq = state.range(0);
+    s.mem = state.range(1);
+    s.c_mem = state.range(2);
+    BM_generate<Cfg>(state, s);
+}
+
 using cfg_a = mnemo::config<128, 4, 2>;
 using cfg_b = mnemo::config<256, 8, 4>;
 using cfg_c = mnemo::config<512, 8, 4>;
@@ -131,12 +168,23 @@ using cfg_c = mnemo::config<512, 8, 4>;
     void BM_train_##NAME(benchmark::State& st) { BM_train<CFG>(st, SHAPE); }                     \
     void BM_forward_##NAME(benchmark::State& st) { BM_forward<CFG>(st, SHAPE); }                 \
     void BM_generate_##NAME(benchmark::State& st) { BM_generate<CFG>(st, SHAPE); }               \
+    void BM_generate_recompute_##NAME(benchmark::State& st) { BM_generate<CFG>(st, SHAPE, false); } \
     BENCHMARK(BM_train_##NAME)->Unit(benchmark::kMillisecond)->UseRealTime();                    \
     BENCHMARK(BM_forward_##NAME)->Unit(benchmark::kMillisecond)->UseRealTime();                  \
-    BENCHMARK(BM_generate_##NAME)->Unit(benchmark::kMillisecond)->UseRealTime();
+    BENCHMARK(BM_generate_##NAME)->Unit(benchmark::kMillisecond)->UseRealTime();                 \
+    BENCHMARK(BM_generate_recompute_##NAME)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 MNEMO_MODEL_ROWS(A, cfg_a, A)
 MNEMO_MODEL_ROWS(B, cfg_b, B)
 MNEMO_MODEL_ROWS(C, cfg_c, C)
+
+void scaling_args(benchmark::internal::Benchmark* b) {
+    b->ArgNames({"seq", "mem", "c_mem"});
+    for (index_t seq : {32, 64, 128, 256}) b->Args({seq, 128, 128});
+    for (index_t mem : {32, 64, 256, 512}) b->Args({128, mem, 128});
+    for (index_t c_mem : {32, 64, 256, 512}) b->Args({128, 128, c_mem});
+}
+BENCHMARK(BM_train_scaling<cfg_b>)->Apply(scaling_args)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_generate_scaling<cfg_b>)->Apply(scaling_args)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 BENCHMARK_MAIN();

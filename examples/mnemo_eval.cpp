@@ -5,7 +5,9 @@
 // tools/check_eval_parity.sh runs both on random checkpoints and compares.
 //
 //   mnemo_eval --model compressive|xl --checkpoint W.safetensors --tokens T.safetensors --out O.safetensors
-//              --seq-len N --mem-len M --c-mem-len K [--compression conv|max|mean] [--rate C] [--n-pos P]
+//              --seq-len N --mem-len M --c-mem-len K [--compression conv|max|mean|dilated|most-used]
+//              [--rate C] [--n-pos P] [--clamp-len L] [--residual add|gru] [--norm pre|post]
+//              [--memory-layers L] [--reconstruction attention|autoencoding]
 //   mnemo_eval --model feedback|feedback-kv --checkpoint W.safetensors --tokens T.safetensors
 //              --out O.safetensors --seq-len N [--n-pos P]
 //
@@ -15,8 +17,16 @@
 //   d_ff             transformer.layers.0.feed_forward.layer1.weight [d_ff, D]
 //   heads, P         transformer.layers.0.self_attn.key_pos_bias [2P, heads]
 //                    (feedback: transformer.layers.0.attn.key_pos_bias [P, heads])
-//   rate             transformer.layers.0.compress.conv.weight [D, D, rate]; without conv weights
-//                    (max/mean pooling) --rate or "__metadata__" compression_rate
+//   rate             transformer.layers.<l>.compress.conv.weight [D, D, rate] (the first layer that has
+//                    one), or 2^k for k dilated convolutions compress.convs.<k>; without conv weights
+//                    (max/mean pooling, most-used) --rate or "__metadata__" compression_rate
+// The model's variants (README "Model variants"; the train program saves them in "__metadata__"):
+// each comes from its flag, else the metadata (a flag that disagrees with it is an error), else the
+// tensors where they tell (gate_attn tensors: --residual gru; decoder tensors: --reconstruction
+// autoencoding; compress.convs.*: --compression dilated; the layers with compress.* conv tensors:
+// --memory-layers), else the reference's choice (add, pre, every layer, attention, conv). --norm cannot
+// be told from the tensors (pre- and post-LN have the same ones): a post-LN checkpoint without metadata
+// needs --norm post. With --reconstruction autoencoding, ar_loss holds the auto-encoding loss.
 // d_model, heads and the rate are compile-time in mnemo, so the program picks one of the
 // configurations compiled in from examples/model_zoo.hpp (feedback models match on d_model and heads).
 // The feedback variant must match the checkpoint: feedback has per-layer key/value projections
@@ -26,7 +36,9 @@
 // tokens[:, s·N + 1, s·N + N + 1). Compressive / XL: the memory is carried across segments and merged
 // (compressing the overflow) after each, exactly as in training; "--c-mem-len 0" is Transformer-XL for
 // either model. Feedback: every segment starts from an empty memory, as the reference trains (no state
-// is carried); --mem-len and --c-mem-len may be left out or given as 0.
+// is carried); --mem-len and --c-mem-len may be left out or given as 0. The memory lengths (and
+// --clamp-len) are evaluation settings, independent of the ones the checkpoint was trained with: no
+// parameter depends on them, only the positional tables bound them (c_mem + mem + seq <= P).
 //
 // O.safetensors: logits F32 [n_segments, batch, N, vocab], ce_loss F32 [n_segments] (mean over the
 // batch·N positions), ar_loss F32 [n_segments] (attention reconstruction; 0 where nothing was compressed,
@@ -60,7 +72,9 @@ namespace ex = mnemo::examples;
 constexpr const char* usage =
     "usage: mnemo_eval --model compressive|xl --checkpoint W.safetensors --tokens T.safetensors\n"
     "                  --out O.safetensors --seq-len N --mem-len M --c-mem-len K\n"
-    "                  [--compression conv|max|mean] [--rate C] [--n-pos P]\n"
+    "                  [--compression conv|max|mean|dilated|most-used] [--rate C] [--n-pos P]\n"
+    "                  [--clamp-len L] [--residual add|gru] [--norm pre|post] [--memory-layers L]\n"
+    "                  [--reconstruction attention|autoencoding]\n"
     "       mnemo_eval --model feedback|feedback-kv --checkpoint W.safetensors --tokens T.safetensors\n"
     "                  --out O.safetensors --seq-len N [--n-pos P]\n"
     "\n"
@@ -78,11 +92,19 @@ constexpr const char* usage =
     "  --seq-len        N, tokens per segment (>= 1)\n"
     "  --mem-len        M, memory slots kept (>= 0; feedback: none are kept, 0 or left out)\n"
     "  --c-mem-len      K, compressed memory slots kept (>= 0; 0 is Transformer-XL; feedback: 0 or left out)\n"
-    "  --compression    conv (default; weights in the checkpoint), max or mean pooling\n"
+    "                   M and K need not be the training run's: any lengths with K + M + N <= P work\n"
+    "  --clamp-len      L, relative distances above L use the embedding of distance L (Transformer-XL's\n"
+    "                   clamp_len; 0, the default: off; compressive and xl only)\n"
+    "  --compression    conv (weights in the checkpoint), max or mean pooling, dilated (weights in the\n"
+    "                   checkpoint), most-used; default: the checkpoint's __metadata__ compression, else\n"
+    "                   dilated for a checkpoint with compress.convs.* tensors, else conv\n"
     "  --rate           compression rate for max/mean pooling when the checkpoint's __metadata__ has no\n"
     "                   compression_rate (must agree with it, and with the conv kernel, where present)\n"
     "  --n-pos          relative positions P; read from the checkpoint (key_pos_bias has 2P rows, P for\n"
     "                   the feedback models), and an error if given and different\n"
+    "  --residual, --norm, --memory-layers, --reconstruction\n"
+    "                   the compressive / XL model's variants (see train --help); default: the\n"
+    "                   checkpoint's __metadata__, else what its tensors show, else add, pre, all, attention\n"
     "\n"
     "Supported configurations (d_model, heads, compression rate; add more in examples/model_zoo.hpp):\n";
 
@@ -90,8 +112,20 @@ struct options {
     ex::model_kind model = ex::model_kind::compressive;
     std::string checkpoint, tokens, out;
     index_t seq_len = 0, mem_len = 0, c_mem_len = 0;
-    ex::compression_kind compression = ex::compression_kind::conv;
+    std::optional<ex::compression_kind> compression;  // resolved against the checkpoint (resolve_variants)
     std::optional<index_t> rate, n_pos;
+    // The variants as given on the command line (resolved against the checkpoint in resolve_variants).
+    std::optional<std::string> residual, norm, memory_layers, reconstruction;
+    index_t clamp_len = 0;  // 0: off
+};
+
+// The compressive / XL model's variants, resolved.
+struct variants {
+    ex::compression_kind compression = ex::compression_kind::conv;
+    mnemo::residual_kind residual = mnemo::residual_kind::add;
+    mnemo::norm_kind norm = mnemo::norm_kind::pre;
+    std::vector<index_t> memory_layers;  // empty: every layer
+    mnemo::reconstruction_kind reconstruction = mnemo::reconstruction_kind::attention;
 };
 
 // A whole decimal integer (no sign other than '-', no trailing characters), else an error naming
@@ -107,7 +141,8 @@ index_t parse_integer(const std::string& s, const std::string& what) {
 options parse(int argc, char** argv) {
     // Every flag takes a value ("--flag value" or "--flag=value", as argparse accepts).
     static const char* const known[] = {"--model", "--checkpoint", "--tokens",      "--out",  "--seq-len",
-                                        "--mem-len", "--c-mem-len", "--compression", "--rate", "--n-pos"};
+                                        "--mem-len", "--c-mem-len", "--compression", "--rate", "--n-pos",
+                                        "--clamp-len", "--residual", "--norm", "--memory-layers", "--reconstruction"};
     std::map<std::string, std::string> given;
     for (int i = 1; i < argc; ++i) {
         std::string a = argv[i], v;
@@ -144,6 +179,12 @@ options parse(int argc, char** argv) {
         for (const char* flag : {"--compression", "--rate"})
             if (given.count(flag))
                 fail("mnemo_eval: --model ", ex::name(o.model), " has no compression: ", flag, " does not apply");
+        for (const char* flag : {"--residual", "--norm", "--memory-layers", "--reconstruction"})
+            if (given.count(flag))
+                fail("mnemo_eval: --model ", ex::name(o.model), " has none of the compressive model's variants: ",
+                     flag, " does not apply");
+        if (given.count("--clamp-len"))
+            fail("mnemo_eval: --clamp-len applies to the compressive and xl models only, not --model ", ex::name(o.model));
         given.try_emplace("--mem-len", "0");
         given.try_emplace("--c-mem-len", "0");
     }
@@ -156,8 +197,16 @@ options parse(int argc, char** argv) {
     o.mem_len = parse_integer(given["--mem-len"], "--mem-len");
     o.c_mem_len = parse_integer(given["--c-mem-len"], "--c-mem-len");
     if (given.count("--compression")) o.compression = ex::parse_compression_kind(given["--compression"]);
+    if (given.count("--residual")) o.residual = ex::name(ex::parse_residual_kind(given["--residual"]));
+    if (given.count("--norm")) o.norm = ex::name(ex::parse_norm_kind(given["--norm"]));
+    if (given.count("--memory-layers"))
+        o.memory_layers = ex::format_memory_layers(ex::parse_memory_layers(given["--memory-layers"], "--memory-layers"));
+    if (given.count("--reconstruction"))
+        o.reconstruction = ex::name(ex::parse_reconstruction_kind(given["--reconstruction"]));
     if (given.count("--rate")) o.rate = parse_integer(given["--rate"], "--rate");
     if (given.count("--n-pos")) o.n_pos = parse_integer(given["--n-pos"], "--n-pos");
+    if (given.count("--clamp-len")) o.clamp_len = parse_integer(given["--clamp-len"], "--clamp-len");
+    if (o.clamp_len < 0) fail("mnemo_eval: --clamp-len must be >= 0 (0: off), got ", o.clamp_len);
     if (o.seq_len < 1) fail("mnemo_eval: --seq-len must be at least 1, got ", o.seq_len);
     if (o.mem_len < 0) fail("mnemo_eval: --mem-len must be >= 0, got ", o.mem_len);
     if (o.c_mem_len < 0) fail("mnemo_eval: --c-mem-len must be >= 0, got ", o.c_mem_len);
@@ -171,7 +220,8 @@ options parse(int argc, char** argv) {
 // The sizes a checkpoint implies, read from its tensor shapes.
 struct model_sizes {
     index_t vocab = 0, d_model = 0, n_layers = 0, d_ff = 0, heads = 0, n_pos = 0;
-    std::optional<index_t> conv_rate;  // kernel of transformer.layers.0.compress.conv.weight
+    std::optional<index_t> conv_rate;     // kernel of the first transformer.layers.<l>.compress.conv.weight
+    std::optional<index_t> dilated_rate;  // 2^k for compress.convs.0 … k−1 (dilated convolutions)
 };
 
 // The model family, as the error messages name it.
@@ -224,8 +274,14 @@ model_sizes read_sizes(const mnemo::safetensors_file& f, ex::model_kind kind) {
              mnemo::shape_string(bias.shape), ": its first dimension must be 2·n_pos (even)");
     s.n_pos = index_t(bias.shape[0] / 2);
     s.heads = index_t(bias.shape[1]);
-    if (f.contains("transformer.layers.0.compress.conv.weight"))
-        s.conv_rate = index_t(shaped(f, "transformer.layers.0.compress.conv.weight", 3, kind).shape[2]);
+    // The first layer with compression weights (with --memory-layers, layer 0 may have none).
+    for (index_t l = 0; l < s.n_layers && !s.conv_rate && !s.dilated_rate; ++l) {
+        const std::string p = "transformer.layers." + std::to_string(l) + ".compress.";
+        if (f.contains(p + "conv.weight")) s.conv_rate = index_t(shaped(f, p + "conv.weight", 3, kind).shape[2]);
+        index_t k = 0;
+        while (f.contains(p + "convs." + std::to_string(k) + ".weight")) ++k;
+        if (k > 0) s.dilated_rate = index_t(1) << k;
+    }
     return s;
 }
 
@@ -248,7 +304,7 @@ void check_feedback_variant(const options& o, const mnemo::safetensors_file& f) 
 // The compression rate: the conv kernel, --rate and the metadata must agree where present. A model
 // that never compresses (c_mem_len 0) needs none, so std::nullopt is allowed then.
 std::optional<index_t> resolve_rate(const options& o, const model_sizes& s, const mnemo::safetensors_file& f,
-                                    bool compresses) {
+                                    bool compresses, ex::compression_kind comp) {
     std::optional<index_t> meta;
     if (const auto it = f.metadata().find("compression_rate"); it != f.metadata().end())
         meta = parse_integer(it->second, "the checkpoint's __metadata__ compression_rate");
@@ -259,23 +315,99 @@ std::optional<index_t> resolve_rate(const options& o, const model_sizes& s, cons
         fail("mnemo_eval: --rate ", *o.rate, " disagrees with the checkpoint's conv kernel size ", *s.conv_rate);
     if (o.rate && meta && *o.rate != *meta)
         fail("mnemo_eval: --rate ", *o.rate, " disagrees with the checkpoint's __metadata__ compression_rate ", *meta);
-    const std::optional<index_t> rate = s.conv_rate ? s.conv_rate : o.rate ? o.rate : meta;
-    if (compresses && o.compression == ex::compression_kind::conv && !s.conv_rate)
+    if (s.dilated_rate && o.rate && *o.rate != *s.dilated_rate)
+        fail("mnemo_eval: --rate ", *o.rate, " disagrees with the checkpoint's ", *s.dilated_rate,
+             " (its dilated convolutions compress.convs.*)");
+    const std::optional<index_t> rate = s.conv_rate      ? s.conv_rate
+                                        : s.dilated_rate ? s.dilated_rate
+                                        : o.rate         ? o.rate
+                                                         : meta;
+    if (compresses && comp == ex::compression_kind::conv && !s.conv_rate)
         fail("mnemo_eval: --compression conv needs transformer.layers.<l>.compress.conv.weight / .bias in '",
              f.path(), "' (for a checkpoint without them pass --compression max or mean)");
+    if (compresses && comp == ex::compression_kind::dilated && !s.dilated_rate)
+        fail("mnemo_eval: --compression dilated needs transformer.layers.<l>.compress.convs.<k>.weight / .bias in '",
+             f.path(), "'");
     if (compresses && !rate)
-        fail("mnemo_eval: --compression ", ex::name(o.compression), ": the compression rate is not in '", f.path(),
+        fail("mnemo_eval: --compression ", ex::name(comp), ": the compression rate is not in '", f.path(),
              "' (no conv weights, no __metadata__ compression_rate); pass it with --rate C");
     return rate;
 }
 
-// Conv compression weights the chosen model does not read (pooling, or Transformer-XL), as the
-// reference skips them: transformer.layers.<l>.compress.conv.weight / .bias.
+// Compression weights the chosen model does not read (pooling, or Transformer-XL), as the reference
+// skips them: transformer.layers.<l>.compress.conv.weight / .bias, .compress.convs.<k>.weight / .bias
+// (dilated), and the auto-encoding decoder's .decoder.weight / .bias (a loss, not part of the forward).
 bool unused_conv_weight(const std::string& name) {
     if (!layer_index(name)) return false;
     const auto tail = name.substr(name.find('.', std::string("transformer.layers.").size()));
-    return tail == ".compress.conv.weight" || tail == ".compress.conv.bias";
+    if (tail == ".compress.conv.weight" || tail == ".compress.conv.bias") return true;
+    if (tail == ".decoder.weight" || tail == ".decoder.bias") return true;
+    static const std::string convs = ".compress.convs.";
+    if (tail.rfind(convs, 0) != 0) return false;
+    const std::string rest = tail.substr(convs.size());  // "<k>.weight" or "<k>.bias"
+    const auto dot = rest.find('.');
+    return dot != std::string::npos && dot > 0 && rest.find_first_not_of("0123456789") == dot &&
+           (rest.substr(dot) == ".weight" || rest.substr(dot) == ".bias");
 }
+
+// One variant: its flag, else the checkpoint's metadata (a disagreement is an error), else `inferred`
+// (what the tensors show), else the reference's choice. Values are compared in canonical spelling.
+template <class Canonical>
+std::string resolve_variant(const std::optional<std::string>& flag, const char* flag_name,
+                            const mnemo::safetensors_file& f, const char* key, Canonical canonical,
+                            const std::optional<std::string>& inferred, const std::string& fallback) {
+    std::optional<std::string> meta;
+    if (const auto it = f.metadata().find(key); it != f.metadata().end())
+        meta = canonical(it->second, std::string("the checkpoint's __metadata__ ") + key);
+    if (flag && meta && *flag != *meta)
+        fail("mnemo_eval: ", flag_name, " ", *flag, " disagrees with the checkpoint's __metadata__ ", key, " ", *meta);
+    return flag ? *flag : meta ? *meta : inferred ? *inferred : fallback;
+}
+
+variants resolve_variants(const options& o, const model_sizes& sz, const mnemo::safetensors_file& f) {
+    variants v;
+    const auto layer_has = [&](index_t l, const std::string& tail) {
+        return f.contains("transformer.layers." + std::to_string(l) + "." + tail);
+    };
+    const auto some = [](bool b, const char* value) { return b ? std::optional<std::string>(value) : std::nullopt; };
+    v.compression = ex::parse_compression_kind(resolve_variant(
+        o.compression ? std::optional<std::string>(ex::name(*o.compression)) : std::nullopt, "--compression", f,
+        "compression",
+        [](const std::string& s, const std::string&) { return std::string(ex::name(ex::parse_compression_kind(s))); },
+        some(sz.dilated_rate.has_value(), "dilated"), "conv"));
+    v.residual = ex::parse_residual_kind(resolve_variant(
+        o.residual, "--residual", f, "residual",
+        [](const std::string& s, const std::string&) { return std::string(ex::name(ex::parse_residual_kind(s))); },
+        some(layer_has(0, "gate_attn.weight_ih"), "gru"), "add"));
+    v.norm = ex::parse_norm_kind(resolve_variant(
+        o.norm, "--norm", f, "norm",
+        [](const std::string& s, const std::string&) { return std::string(ex::name(ex::parse_norm_kind(s))); },
+        std::nullopt, "pre"));
+    // The memory layers show as the layers with compression weights (conv or dilated), when some have none.
+    std::vector<index_t> with;
+    for (index_t l = 0; l < sz.n_layers; ++l)
+        if (layer_has(l, "compress.conv.weight") || layer_has(l, "compress.convs.0.weight")) with.push_back(l);
+    v.memory_layers = ex::parse_memory_layers(
+        resolve_variant(o.memory_layers, "--memory-layers", f, "memory_layers",
+                        [](const std::string& s, const std::string& what) {
+                            return ex::format_memory_layers(ex::parse_memory_layers(s, what));
+                        },
+                        !with.empty() && index_t(with.size()) < sz.n_layers
+                            ? std::optional<std::string>(ex::format_memory_layers(with))
+                            : std::nullopt,
+                        "all"),
+        "--memory-layers");
+    for (index_t l : v.memory_layers)
+        if (l >= sz.n_layers) fail("mnemo_eval: memory layer ", l, " is not one of the checkpoint's ", sz.n_layers, " layers");
+    bool decoder = false;
+    for (index_t l = 0; l < sz.n_layers; ++l) decoder = decoder || layer_has(l, "decoder.weight");
+    v.reconstruction = ex::parse_reconstruction_kind(resolve_variant(
+        o.reconstruction, "--reconstruction", f, "reconstruction",
+        [](const std::string& s, const std::string&) { return std::string(ex::name(ex::parse_reconstruction_kind(s))); },
+        some(decoder, "autoencoding"), "attention"));
+    return v;
+}
+
 
 // Tokens [batch, n_tokens] from the tokens file, checked against the vocabulary.
 struct token_matrix {
@@ -342,35 +474,42 @@ struct eval_result {
     std::vector<float> ce, ar;  // [n_segments]
 };
 
-// The model's construction options from the checkpoint's sizes.
+// The model's construction options from the checkpoint's sizes and the variants.
 template <class Model>
-auto model_options(const model_sizes& sz) {
+auto model_options(const model_sizes& sz, const variants& v) {
     if constexpr (ex::is_feedback_model<Model>)
         return mnemo::feedback_options{.vocab = sz.vocab, .n_layers = sz.n_layers, .d_ff = sz.d_ff, .n_pos = sz.n_pos};
     else
-        return mnemo::compressive_options{.vocab = sz.vocab, .n_layers = sz.n_layers, .d_ff = sz.d_ff,
-                                          .n_pos = sz.n_pos};
+        return mnemo::compressive_options{.vocab = sz.vocab,
+                                          .n_layers = sz.n_layers,
+                                          .d_ff = sz.d_ff,
+                                          .n_pos = sz.n_pos,
+                                          .residual = v.residual,
+                                          .norm = v.norm,
+                                          .memory_layers = v.memory_layers,
+                                          .reconstruction = v.reconstruction};
 }
 
 // What the feedback models carry from segment to segment: nothing.
 struct no_memory {};
 
 template <class Model>
-eval_result evaluate(const options& o, const model_sizes& sz, const mnemo::safetensors_file& ckpt,
+eval_result evaluate(const options& o, const model_sizes& sz, const variants& var, const mnemo::safetensors_file& ckpt,
                      const token_matrix& tok, index_t n_segments) {
     constexpr bool feedback = ex::is_feedback_model<Model>;
-    Model model(model_options<Model>(sz));
+    Model model(model_options<Model>(sz, var));
     auto& ps = model.parameters();
     // Strict loading: every parameter present with its shape (load_parameters checks), and no tensor
     // the model does not declare, except conv weights of a model built without them.
     const std::string model_name = feedback                ? std::string(ex::name(o.model))
                                    : o.c_mem_len == 0      ? std::string("Transformer-XL")
-                                                           : std::string(ex::name(o.compression)) + "-compression";
+                                                           : std::string(ex::name(var.compression)) + "-compression";
     for (const auto& t : ckpt.tensors())
         if (!ps.find(t.name) && (feedback || !unused_conv_weight(t.name)))
             fail("mnemo_eval: unexpected tensor '", t.name, "' in '", ckpt.path(), "': the ", model_name,
                  " model with ", sz.n_layers, " layers has no parameter of that name");
     mnemo::load_parameters(ckpt, ps, {.ignore_unexpected = true});
+    if constexpr (!feedback) model.set_clamp_len(o.clamp_len);
 
     const index_t B = tok.batch, N = o.seq_len, V = sz.vocab;
     [[maybe_unused]] auto memory = [&] {
@@ -432,12 +571,13 @@ int main(int argc, char** argv) try {
         // The reference accepts this too: Transformer-XL never compresses, so the conv weights go unread.
         std::fprintf(stderr, "mnemo_eval: note: --model xl ignores the checkpoint's compress.conv.* tensors\n");
     const bool compresses = o.c_mem_len > 0;
-    const std::optional<index_t> rate = feedback ? std::nullopt : resolve_rate(o, sz, ckpt, compresses);
+    const variants var = feedback ? variants{} : resolve_variants(o, sz, ckpt);
+    const std::optional<index_t> rate = feedback ? std::nullopt : resolve_rate(o, sz, ckpt, compresses, var.compression);
     // A run that never compresses is Transformer-XL whatever the checkpoint holds: build the model
     // without a compression function, so it only needs d_model and heads to be compiled in.
     const ex::model_kind kind = feedback ? o.model : compresses ? ex::model_kind::compressive : ex::model_kind::xl;
     // An unsupported configuration fails here, before the tokens are read, listing what is compiled in.
-    ex::with_model(sz.d_model, sz.heads, rate.value_or(1), kind, o.compression, []<class>() {});
+    ex::with_model(sz.d_model, sz.heads, rate.value_or(1), kind, var.compression, []<class>() {});
 
     const token_matrix tok = read_tokens(o.tokens, sz.vocab);
     const index_t n_segments = (tok.length - 1) / o.seq_len;
@@ -450,8 +590,9 @@ int main(int argc, char** argv) try {
     if (feedback) check_feedback_positions(o, sz.n_pos);
     else check_positions(o, rate.value_or(1), sz.n_pos, n_segments);
 
-    const eval_result r = ex::with_model(sz.d_model, sz.heads, rate.value_or(1), kind, o.compression,
-                                         [&]<class Model>() { return evaluate<Model>(o, sz, ckpt, tok, n_segments); });
+    const eval_result r =
+        ex::with_model(sz.d_model, sz.heads, rate.value_or(1), kind, var.compression,
+                       [&]<class Model>() { return evaluate<Model>(o, sz, var, ckpt, tok, n_segments); });
 
     const index_t S = n_segments, B = tok.batch, N = o.seq_len, V = sz.vocab;
     mnemo::safetensors_writer(o.out)

@@ -48,6 +48,12 @@
 // On the recall task the recall recipe applies (sizes, optimiser), with seq_len 64 so that a sequence
 // can hold a key and its answer; answers whose key lies in the previous segment are out of reach.
 //
+// Variants of the compressive / XL model (compressive_options; README "Model variants"): --residual gru,
+// --norm post, --memory-layers L (compressive and xl) and --reconstruction autoencoding, --compression
+// dilated|most-used (compressive). They are model settings: saved in the metadata (residual, norm,
+// memory_layers, reconstruction, compression), taken from it on resume, and an error if a flag
+// disagrees with it.
+//
 // Checkpoints (--checkpoint PATH, atomic safetensors writes):
 //   PATH                     the model alone, parameters under their PyTorch state_dict names (F32),
 //                            directly usable by mnemo_eval and tools/reference_eval.py; "__metadata__"
@@ -56,8 +62,10 @@
 //                            optimizer.exp_avg_sq.<name> (F32, the parameters' layout), trainer.step,
 //                            trainer.data_position [batch] (each stream's next segment), trainer.sample_rng
 //                            (the sampling RNG's offset), trainer.vocab (U8), memory.<l>.mem and
-//                            memory.<l>.c_mem (F32 [slots, batch, d_model], oldest slot first; none for
-//                            the Feedback Transformer, which carries no memory), and the same metadata.
+//                            memory.<l>.c_mem (F32 [slots, batch, d_model], oldest slot first, for each
+//                            memory layer l; none for the Feedback Transformer, which carries no memory;
+//                            most-used compression adds memory.<l>.usage [slots, batch], the attention
+//                            each memory row has received), and the same metadata.
 //                            A resumed run continues bit for bit: k steps, save, resume, k steps equals
 //                            2k steps (tests/train_resume.cmake checks the files bytewise), with any
 //                            --threads (mnemo's results do not depend on the thread count).
@@ -160,13 +168,25 @@ what to train
                        default compressive; xl = no compressed memory; feedback = the Feedback
                        Transformer (per-layer keys/values), feedback-kv = with shared keys/values:
                        every segment from an empty memory, no --mem-len, --c-mem-len, --rate, --compression
-  --compression conv|max|mean                compression function f_c (default conv)
+  --compression conv|max|mean|dilated|most-used
+                       compression function f_c (default conv); dilated (a stack of log2(rate)
+                       stride-2 convolutions) and most-used (keeps the most-attended slot of each
+                       group) are compiled for fewer configurations (see examples/model_zoo.hpp)
+variants of the compressive / XL model (all default to labml's reference model)
+  --residual add|gru   residual connections, or GRU gates (lucidrains' gru_gated_residual) (add)
+  --norm pre|post      LayerNorm before each sub-layer (labml) or after each residual (the paper) (pre)
+  --memory-layers L    the layers that keep memory, e.g. 2,3,4 (lucidrains' memory_layers) (all)
+  --reconstruction attention|autoencoding
+                       the compression function's loss: attention reconstruction (labml) or the
+                       paper's auto-encoding loss with a ConvTranspose1d decoder (attention)
 model (must be compiled in: see examples/model_zoo.hpp)
   --d-model N --heads N --rate N             text: 128 4 2; recall: 64 4 2; feedback text: 512 8
   --d-ff N --layers N --n-pos N              text: 256 6 4096; recall: 128 2 64; feedback text: 2048 6 4096
   --seq-len N --mem-len N --c-mem-len N      text: 8 8 128; recall: 8 8 16 (xl: c-mem-len 0);
                                              feedback: 128 (recall 64), no memory
   --batch N                                  32 (feedback text: 64)
+  --clamp-len N        distances above N use the positional embedding of N (Transformer-XL's
+                       clamp_len; 0: off, the default; saved in the checkpoint when set)
 optimisation
   --optimizer adamw|adam-warmup|noam   adam-warmup: labml's AdamWarmup, the reference's "AdamW"
                                        (text default); adamw: torch.optim.AdamW (recall default);
@@ -184,6 +204,9 @@ evaluation, sampling, checkpoints
   --eval-every N       validation every N steps (text 500, recall 1000; 0: only at the end)
   --eval-segments N    segments per stream of each periodic validation (text 100, 0: all; recall 128);
                        the final validation reads the whole validation text (recall: N segments)
+  --eval-mem-len N --eval-c-mem-len N
+                       memory lengths of validation (default: --mem-len, --c-mem-len); not parameters,
+                       so any lengths with c_mem + mem + seq_len <= n_pos (e.g. on --resume --steps 0)
   --log-every N        progress line every N steps (text 100, recall 500)
   --sample-len N       characters sampled at the end (text 200, recall 40; 0: none)
   --eval-sample N      also sample N characters at each validation (0)
@@ -205,6 +228,8 @@ struct flag_info {
 constexpr flag_info known_flags[] = {
     {"--data", "data"},         {"--task", "task"},           {"--model", "model"},
     {"--compression", "compression"}, {"--d-model", "d_model"}, {"--heads", "heads"},
+    {"--residual", "residual"}, {"--norm", "norm"}, {"--memory-layers", "memory_layers"},
+    {"--reconstruction", "reconstruction"},
     {"--rate", "compression_rate"},   {"--d-ff", "d_ff"},       {"--layers", "n_layers"},
     {"--n-pos", "n_pos"},       {"--seq-len", "seq_len"},     {"--mem-len", "mem_len"},
     {"--c-mem-len", "c_mem_len"}, {"--batch", "batch"},       {"--optimizer", "optimizer"},
@@ -215,6 +240,7 @@ constexpr flag_info known_flags[] = {
     {"--prompt", nullptr},      {"--temperature", nullptr},   {"--checkpoint", nullptr},
     {"--save-every", nullptr},  {"--resume", nullptr},        {"--export", nullptr},
     {"--threads", nullptr},     {"--stop-at", nullptr},
+    {"--clamp-len", "clamp_len"}, {"--eval-mem-len", nullptr}, {"--eval-c-mem-len", nullptr},
 };
 
 /// The flags as given: name → value. Each flag takes one value; "--flag=value" works too.
@@ -288,8 +314,13 @@ struct settings {
     std::string data;      // the text file (task text)
     ex::model_kind model = ex::model_kind::compressive;
     ex::compression_kind compression = ex::compression_kind::conv;
+    mnemo::residual_kind residual = mnemo::residual_kind::add;
+    mnemo::norm_kind norm = mnemo::norm_kind::pre;
+    std::vector<index_t> memory_layers;  // empty: every layer
+    mnemo::reconstruction_kind reconstruction = mnemo::reconstruction_kind::attention;
     index_t d_model = 0, heads = 0, rate = 0, d_ff = 0, n_layers = 0, n_pos = 0;
     index_t seq_len = 0, mem_len = 0, c_mem_len = 0, batch = 0;
+    index_t clamp_len = 0, eval_mem_len = 0, eval_c_mem_len = 0;  // clamp_len 0: off
     std::string optimizer, schedule;
     double lr = 0, weight_decay = 0, clip = 0;
     std::int64_t warmup = 0, steps = 0;
@@ -322,6 +353,10 @@ public:
         const std::int64_t v = resolve<std::int64_t>(flag, fallback, k, parse_integer);
         if (v < min) fail(flag, " must be at least ", min, ", got ", v);
         return v;
+    }
+    template <class V, class Parse>
+    V custom(const char* flag, V fallback, kind k, Parse parse) const {
+        return resolve<V>(flag, std::move(fallback), k, parse);
     }
     double real(const char* flag, double fallback, double min, kind k = kind::recipe) const {
         const double v = resolve<double>(flag, fallback, k, parse_real);
@@ -391,9 +426,22 @@ settings resolve_settings(const command_line& cl, const mnemo::safetensors_metad
     s.model = ex::parse_model_kind(r.text("--model", "compressive"));
     const bool xl = s.model == ex::model_kind::xl, feedback = ex::is_feedback(s.model);
     if (feedback)
-        for (const char* flag : {"--compression", "--rate"})
-            if (cl.has(flag)) fail("--model ", ex::name(s.model), " has no compression: ", flag, " does not apply");
+        for (const char* flag : {"--compression", "--rate", "--residual", "--norm", "--memory-layers", "--reconstruction"})
+            if (cl.has(flag))
+                fail("--model ", ex::name(s.model), " has no compression and none of the compressive model's variants: ",
+                     flag, " does not apply");
+    if (xl && cl.has("--reconstruction")) fail("--model xl compresses nothing: --reconstruction does not apply");
     s.compression = ex::parse_compression_kind(r.text("--compression", "conv"));
+    s.residual = ex::parse_residual_kind(r.text("--residual", "add"));
+    s.norm = ex::parse_norm_kind(r.text("--norm", "pre"));
+    s.reconstruction = ex::parse_reconstruction_kind(r.text("--reconstruction", "attention"));
+    // Compared with the checkpoint's in canonical form ("all", or sorted indices).
+    const auto memory_layers_value = [](const std::string& what, const std::string& v) {
+        return ex::format_memory_layers(ex::parse_memory_layers(v, what));
+    };
+    s.memory_layers = ex::parse_memory_layers(
+        r.custom("--memory-layers", std::string("all"), setting_resolver::kind::strict, memory_layers_value),
+        "--memory-layers");
 
     // The model (recall: a smaller one that learns the task in about a minute on two cores; feedback on
     // text: labml's feedback experiment).
@@ -403,6 +451,10 @@ settings resolve_settings(const command_line& cl, const mnemo::safetensors_metad
     s.rate = feedback ? 1 : r.integer("--rate", 2, 1);
     s.d_ff = r.integer("--d-ff", recall ? 128 : feedback ? 2048 : 256, 1);
     s.n_layers = r.integer("--layers", recall ? 2 : 6, 1);
+    for (index_t l : s.memory_layers)
+        if (l >= s.n_layers)
+            fail("--memory-layers ", ex::format_memory_layers(s.memory_layers), ": layer ", l, " is not one of the ",
+                 s.n_layers, " layers (0 … ", s.n_layers - 1, ")");
     s.n_pos = r.integer("--n-pos", recall ? 64 : 4096, 1);
     s.seq_len = r.integer("--seq-len", feedback ? (recall ? 64 : 128) : 8, 1);
     s.mem_len = r.integer("--mem-len", feedback ? 0 : 8, 0);
@@ -415,6 +467,8 @@ settings resolve_settings(const command_line& cl, const mnemo::safetensors_metad
                 fail("--model ", ex::name(s.model), " carries no memory between segments (each starts from an ",
                      "empty memory): ", flag, " must be 0 or left out, got ", v);
     s.batch = r.integer("--batch", feedback_text ? 64 : 32, 1);
+    s.clamp_len = r.integer("--clamp-len", 0, 0, k::recipe);
+    if (feedback && s.clamp_len != 0) fail("--clamp-len is for the compressive and xl models");
     // Fail now, before any data is read, if (d_model, heads, rate) is not compiled in.
     ex::with_model(s.d_model, s.heads, s.rate, s.model, s.compression, []<class Model>() { return 0; });
     s.seed = std::uint64_t(r.integer("--seed", 1, 0));
@@ -455,6 +509,17 @@ settings resolve_settings(const command_line& cl, const mnemo::safetensors_metad
     s.eval_sample = run_int("--eval-sample", 0, 0);
     s.save_every = run_int("--save-every", 0, 0);
     s.stop_at = run_int("--stop-at", 0, 0);
+    s.eval_mem_len = run_int("--eval-mem-len", s.mem_len, 0);
+    s.eval_c_mem_len = run_int("--eval-c-mem-len", s.c_mem_len, 0);
+    if ((feedback || xl) && s.eval_c_mem_len != 0)
+        fail("--eval-c-mem-len must be 0 for --model ", ex::name(s.model), ", got ", s.eval_c_mem_len);
+    if (feedback && s.eval_mem_len != 0)
+        fail("--eval-mem-len must be 0 for --model ", ex::name(s.model), ": it carries no memory");
+    if (!feedback && s.eval_c_mem_len + s.eval_mem_len + s.seq_len > s.n_pos)
+        fail("--eval-c-mem-len ", s.eval_c_mem_len, " + --eval-mem-len ", s.eval_mem_len, " + --seq-len ", s.seq_len,
+             " exceeds n_pos = ", s.n_pos, " (the positional tables); shorten the validation memory");
+    if (!feedback && s.eval_c_mem_len > 0 && s.eval_mem_len < s.rate - 1)
+        fail("--eval-mem-len ", s.eval_mem_len, " is too short for --rate ", s.rate, ": it must be at least rate − 1");
     s.threads = int(run_int("--threads", omp_get_num_procs(), 1));
     if (cl.has("--temperature")) s.temperature = parse_real("--temperature", cl.given.at("--temperature"));
     if (s.temperature < 0) fail("--temperature must be >= 0, got ", s.temperature);
@@ -488,6 +553,12 @@ mnemo::safetensors_metadata settings_metadata(const settings& s) {
     if (s.model == ex::model_kind::compressive) {  // Transformer-XL has neither
         m["compression"] = ex::name(s.compression);
         m["compression_rate"] = std::to_string(s.rate);
+        m["reconstruction"] = ex::name(s.reconstruction);
+    }
+    if (!ex::is_feedback(s.model)) {  // the variants of the compressive / XL model
+        m["residual"] = ex::name(s.residual);
+        m["norm"] = ex::name(s.norm);
+        m["memory_layers"] = ex::format_memory_layers(s.memory_layers);
     }
     m["d_model"] = std::to_string(s.d_model);
     m["heads"] = std::to_string(s.heads);
@@ -498,6 +569,7 @@ mnemo::safetensors_metadata settings_metadata(const settings& s) {
     if (!ex::is_feedback(s.model)) {  // the Feedback Transformer carries no memory
         m["mem_len"] = std::to_string(s.mem_len);
         m["c_mem_len"] = std::to_string(s.c_mem_len);
+        if (s.clamp_len > 0) m["clamp_len"] = std::to_string(s.clamp_len);
     }
     m["batch"] = std::to_string(s.batch);
     m["optimizer"] = s.optimizer;
@@ -794,7 +866,14 @@ auto model_options(const settings& s, index_t vocab) {
     if constexpr (ex::is_feedback_model<Model>)
         return mnemo::feedback_options{.vocab = vocab, .n_layers = s.n_layers, .d_ff = s.d_ff, .n_pos = s.n_pos};
     else
-        return mnemo::compressive_options{.vocab = vocab, .n_layers = s.n_layers, .d_ff = s.d_ff, .n_pos = s.n_pos};
+        return mnemo::compressive_options{.vocab = vocab,
+                                          .n_layers = s.n_layers,
+                                          .d_ff = s.d_ff,
+                                          .n_pos = s.n_pos,
+                                          .residual = s.residual,
+                                          .norm = s.norm,
+                                          .memory_layers = s.memory_layers,
+                                          .reconstruction = s.reconstruction};
 }
 
 /// What the Feedback Transformer carries from one segment to the next: nothing (every sequence starts
@@ -829,13 +908,29 @@ mnemo::segment_losses run_segment(Model& model, std::span<const token_t> inputs,
                      : model.eval_segment(inputs, targets, batch, memory);
 }
 
+/// ", GRU residuals, post-LN, memory in layers 2,3" for the variants in use ("" for none).
+std::string variant_description(const settings& s) {
+    std::string d;
+    if (s.residual == mnemo::residual_kind::gru) d += ", GRU-gated residuals";
+    if (s.norm == mnemo::norm_kind::post) d += ", post-LN";
+    if (!s.memory_layers.empty())
+        d += std::string(", memory only in layer") + (s.memory_layers.size() > 1 ? "s " : " ") +
+             ex::format_memory_layers(s.memory_layers);
+    if (s.model == ex::model_kind::compressive && s.reconstruction == mnemo::reconstruction_kind::autoencoding)
+        d += ", auto-encoding loss";
+    return d;
+}
+
 /// "Compressive Transformer (conv compression, rate 2)" and the like.
 std::string model_description(const settings& s) {
     switch (s.model) {
         case ex::model_kind::compressive:
             return std::string("Compressive Transformer (") + ex::name(s.compression) + " compression, rate " +
-                   std::to_string(s.rate) + ")";
-        case ex::model_kind::xl: return "Transformer-XL";
+                   std::to_string(s.rate) + variant_description(s) + ")";
+        case ex::model_kind::xl: {
+            const std::string v = variant_description(s);
+            return v.empty() ? "Transformer-XL" : "Transformer-XL (" + v.substr(2) + ")";
+        }
         case ex::model_kind::feedback: return "Feedback Transformer (per-layer keys/values)";
         case ex::model_kind::feedback_kv: return "Feedback Transformer (shared keys/values)";
     }
@@ -856,7 +951,10 @@ struct validation_result {
 /// Validation from the start of the validation streams with a fresh memory; max_segments 0 = one pass.
 template <class Model>
 validation_result validate(Model& model, segment_streams streams, const settings& s, std::int64_t max_segments) {
-    auto memory = make_memory(model, s, s.batch);
+    settings es = s;  // validation's memory lengths (--eval-mem-len, --eval-c-mem-len)
+    es.mem_len = s.eval_mem_len;
+    es.c_mem_len = s.eval_c_mem_len;
+    auto memory = make_memory(model, es, s.batch);
     const std::int64_t n =
         max_segments > 0 ? std::min(max_segments, streams.segments_per_pass()) : streams.segments_per_pass();
     std::vector<token_t> inputs, targets;
@@ -934,6 +1032,12 @@ template <class Model>
 std::string sample_with_memory(Model& model, const vocabulary& vocab, std::span<const token_t> prompt,
                                const settings& s, std::int64_t count, double temperature, mnemo::rng& r) {
     auto memory = make_memory(model, s, 1);
+    // The generation cache: memory keys and values are projected once per slot, not once per token.
+    struct cache_scope {
+        Model& m;
+        ~cache_scope() { m.cache_memory_projections(false); }
+    } scope{model};
+    model.cache_memory_projections(true);
     for (std::size_t i = 0; i < prompt.size(); i += std::size_t(s.seq_len)) {
         model.forward(prompt.subspan(i, std::min(prompt.size() - i, std::size_t(s.seq_len))), 1, memory);
         model.update_memory(memory);
@@ -995,10 +1099,12 @@ void save_checkpoint(const std::string& path, Model& model, const settings& s, c
     w.add("trainer.vocab", {c.vocab.size()}, c.vocab.bytes.data());
     if constexpr (!ex::is_feedback_model<Model>) {  // the Feedback Transformer carries no memory
         const std::int64_t b = s.batch, d = s.d_model;
-        for (index_t l = 0; l < s.n_layers; ++l) {
-            const std::string p = "memory." + std::to_string(l);
-            w.add(p + ".mem", {st.memory.mem_slots(), b, d}, st.memory.mem(l).data());
-            w.add(p + ".c_mem", {st.memory.c_mem_slots(), b, d}, st.memory.c_mem(l).data());
+        for (index_t slot = 0; slot < model.n_memory_layers(); ++slot) {  // named by layer
+            const std::string p = "memory." + std::to_string(model.memory_layer(slot));
+            w.add(p + ".mem", {st.memory.mem_slots(), b, d}, st.memory.mem(slot).data());
+            w.add(p + ".c_mem", {st.memory.c_mem_slots(), b, d}, st.memory.c_mem(slot).data());
+            if constexpr (Model::needs_usage)  // most-used compression: the attention each row received
+                w.add(p + ".usage", {st.memory.mem_slots(), b}, st.memory.usage(slot));
         }
     }
     w.set_metadata(meta);
@@ -1028,10 +1134,10 @@ checkpoint_files read_checkpoint(const std::string& path) {
     return f;
 }
 
-/// The compressive / XL memory of a checkpoint's state file: [slots, batch, d_model] per layer, slot
-/// counts from the shapes.
-template <class Memory>
-void restore_memory(const checkpoint_files& f, const settings& s, Memory& memory) {
+/// The compressive / XL memory of a checkpoint's state file: [slots, batch, d_model] per memory layer
+/// (memory.<layer>.*), slot counts from the shapes; most-used compression also reads each row's usage.
+template <class Model, class Memory>
+void restore_memory(const checkpoint_files& f, const settings& s, const Model& model, Memory& memory) {
     const auto slots = [&](const std::string& name) {
         const auto& t = f.state.at(name);
         if (t.shape.size() != 3 || t.shape[1] != s.batch || t.shape[2] != s.d_model)
@@ -1039,14 +1145,24 @@ void restore_memory(const checkpoint_files& f, const settings& s, Memory& memory
                  ", ", s.d_model, "]");
         return index_t(t.shape[0]);
     };
-    const index_t mem_slots = slots("memory.0.mem"), c_mem_slots = slots("memory.0.c_mem");
+    const std::string first = "memory." + std::to_string(model.memory_layer(0));
+    const index_t mem_slots = slots(first + ".mem"), c_mem_slots = slots(first + ".c_mem");
     memory.resize(mem_slots, c_mem_slots);
-    for (index_t l = 0; l < s.n_layers; ++l) {
+    for (index_t slot = 0; slot < model.n_memory_layers(); ++slot) {
+        const index_t l = model.memory_layer(slot);
         const std::string p = "memory." + std::to_string(l);
         if (slots(p + ".mem") != mem_slots || slots(p + ".c_mem") != c_mem_slots)
-            fail("--resume: layer ", l, "'s memory holds a different number of slots than layer 0's");
-        f.state.copy_to(p + ".mem", memory.mem_data(l), std::size_t(mem_slots * s.batch * s.d_model));
-        f.state.copy_to(p + ".c_mem", memory.c_mem_data(l), std::size_t(c_mem_slots * s.batch * s.d_model));
+            fail("--resume: layer ", l, "'s memory holds a different number of slots than layer ",
+                 model.memory_layer(0), "'s");
+        f.state.copy_to(p + ".mem", memory.mem_data(slot), std::size_t(mem_slots * s.batch * s.d_model));
+        f.state.copy_to(p + ".c_mem", memory.c_mem_data(slot), std::size_t(c_mem_slots * s.batch * s.d_model));
+        if constexpr (Model::needs_usage) {
+            const auto& t = f.state.at(p + ".usage");
+            if (t.shape != std::vector<std::int64_t>{mem_slots, s.batch})
+                fail("--resume: '", p, ".usage' has shape ", mnemo::shape_string(t.shape), ", expected [", mem_slots,
+                     ", ", s.batch, "]");
+            f.state.copy_to(p + ".usage", memory.usage_data(slot), std::size_t(mem_slots * s.batch));
+        }
     }
 }
 
@@ -1068,7 +1184,7 @@ void restore_checkpoint(const checkpoint_files& f, Model& model, const settings&
     st.sample_rng.set_state(st.sample_rng.seed(), std::uint64_t(sample_offset[0]));
 
     st.memory.reset(s.batch, s.seq_len);
-    if constexpr (!ex::is_feedback_model<Model>) restore_memory(f, s, st.memory);
+    if constexpr (!ex::is_feedback_model<Model>) restore_memory(f, s, model, st.memory);
 }
 
 /// The checkpoint's vocabulary (trainer.vocab), and a check that the data is the one it was trained on.
@@ -1099,9 +1215,14 @@ struct run_result {
     std::int64_t steps = 0;
 };
 
+/// The reconstruction loss's label in progress lines: ar (attention reconstruction) or ae (auto-encoding).
+const char* aux_loss_name(const settings& s) {
+    return s.reconstruction == mnemo::reconstruction_kind::autoencoding ? "ae" : "ar";
+}
+
 void print_validation(std::int64_t step, const validation_result& v, const settings& s, double seconds) {
     std::printf("valid  step %6" PRId64 ": loss %.4f bits/char", step, v.ce / ln2);
-    if (s.c_mem_len > 0) std::printf("  ar %.5f", v.ar);
+    if (s.c_mem_len > 0) std::printf("  %s %.5f", aux_loss_name(s), v.ar);
     if (v.answers) std::printf("  recall accuracy %.3f (%" PRId64 " answers)", v.accuracy(), v.answers);
     std::printf("  [%" PRId64 " segments × %td streams, %.1fs]\n", v.segments, s.batch, seconds);
     std::fflush(stdout);
@@ -1116,6 +1237,7 @@ run_result train_model(const settings& s, const corpus& c, const checkpoint_file
     constexpr bool feedback = ex::is_feedback_model<Model>;
     Model model(model_options<Model>(s, c.vocab.size()));
     model.reset_parameters(s.seed);
+    if constexpr (!ex::is_feedback_model<Model>) model.set_clamp_len(s.clamp_len);
     auto& ps = model.parameters();
     trainer_optimizer optimizer(s, ps.size());
     auto memory = make_memory(model, s, s.batch);
@@ -1204,7 +1326,7 @@ run_result train_model(const settings& s, const corpus& c, const checkpoint_file
             const double eta = train_seconds / double(done - first) * double(s.steps - done);
             std::printf("step %6" PRId64 "/%" PRId64 "  loss %.4f bits/char", done, s.steps,
                         log_ce / double(log_n) / ln2);
-            if (s.c_mem_len > 0) std::printf("  ar %.5f", log_ar / double(log_n));
+            if (s.c_mem_len > 0) std::printf("  %s %.5f", aux_loss_name(s), log_ar / double(log_n));
             std::printf("  |grad| %.3f  lr %.3g  %.0f tok/s  %.1f ms/step  ETA %s\n", log_norm / double(log_n), lr,
                         double(s.seq_len * s.batch) / per_step, 1e3 * per_step,
                         format_duration(eta).c_str());
@@ -1280,6 +1402,7 @@ int main(int argc, char** argv) try {
     settings xl = s;
     xl.model = ex::model_kind::xl;
     xl.c_mem_len = 0;
+    xl.eval_c_mem_len = 0;
     std::printf("\n");
     const run_result plain = run(xl, c, nullptr);
     std::printf("\nrecall accuracy: compressive %.3f, transformer-xl %.3f (chance %.3f; %" PRId64

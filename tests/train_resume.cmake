@@ -89,7 +89,7 @@ run_fails("is empty" ${TRAIN} --data ${WORK_DIR}/empty.txt)
 run_fails("the text is too short" ${TRAIN} --data ${WORK_DIR}/tiny.txt --batch 64)
 run_fails("--model feedback carries no memory between segments .*--mem-len must be 0 or left out, got 4"
           ${TRAIN} --data ${WORK_DIR}/tiny.txt --model feedback --mem-len 4)
-run_fails("--model feedback-kv has no compression: --rate does not apply" ${TRAIN} --model feedback-kv --rate 2)
+run_fails("--model feedback-kv has no compression and none of the compressive model.s variants: --rate does not apply" ${TRAIN} --model feedback-kv --rate 2)
 run_fails("--n-pos 6 is too small: the last token of a sequence of --seq-len 8 attends over 7"
           ${TRAIN} --data ${WORK_DIR}/tiny.txt --model feedback-kv --d-model 16 --heads 2 --seq-len 8 --n-pos 6)
 run_fails("checkpoint has model feedback-kv but --model is compressive"

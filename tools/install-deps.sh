@@ -2,12 +2,14 @@
 # Installs what mnemo needs to build, test and benchmark, from Debian 12's packages.
 # Idempotent: only packages that are missing are installed; apt-get update runs only then.
 #   tools/install-deps.sh            build + test + benchmark dependencies
-#   tools/install-deps.sh --python   also python3-torch, for the reference scripts under tools/
+#   tools/install-deps.sh --python   also python3-torch, for the reference scripts under tools/, and
+#                                    libopenblas0-openmp (OpenBLAS's OpenMP build, which
+#                                    benchmarks/compare_pytorch.py puts under torch)
 set -euo pipefail
 
 packages=(build-essential cmake libeigen3-dev libxsimd-dev xtl-dev doctest-dev libbenchmark-dev)
 if [[ "${1:-}" == "--python" ]]; then
-  packages+=(python3-torch python3-numpy)
+  packages+=(python3-torch python3-numpy libopenblas0-openmp)
 fi
 
 missing=()

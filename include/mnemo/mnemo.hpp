@@ -28,6 +28,7 @@
 #include "nn/no_compression.hpp"
 #include "nn/relative_attention.hpp"
 #include "nn/residual.hpp"
+#include "models/autoregressive.hpp"
 #include "models/compressive_transformer.hpp"
 #include "models/feedback_transformer.hpp"
 #include "train/attention_reconstruction.hpp"

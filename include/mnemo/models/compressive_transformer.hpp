@@ -15,25 +15,82 @@
 //   forward (reads the memory) → merge the new layer inputs into the memory, compressing with the
 //   current weights → cross-entropy + attention-reconstruction loss (only if something was
 //   compressed) → backward (parameter gradients +=) → the caller clips and steps the optimizer.
+//
+// Variants (compressive_options; each off by default, and then the model is exactly the above):
+//
+// residual_kind::gru (lucidrains' gru_gated_residual, Parisotto et al. 2019): both residual
+//   connections become GRU gates (nn/gru_gate.hpp), out = GRU(input = sub-layer output, hidden =
+//   stream), as the seed's GRUGating(dim, fn) computes gru(fn(x), x):
+//     x' = gate_attn(x, RelAttn(...))      y = gate_ff(x', FFN(LN_ff(x')))
+//   `transformer.layers.<l>.gate_attn.{weight_ih,weight_hh,bias_ih,bias_hh}` and `.gate_ff.*`.
+//
+// norm_kind::post (the paper's and Transformer-XL's Post-LayerNorm): the norms come after each
+//   residual (or gate), and attention reads the raw memory and segment:
+//     a  = RelAttn(q = x, k = v = [cm, m, x])        no norm on queries, keys or values
+//     x' = LN_attn(x ⊕ a)                           `norm_self_attn` (the norm after attention)
+//     y  = LN_ff(x' ⊕ FFN(x'))                      `norm_ff`        (the norm after the FFN)
+//   ⊕ is + or the GRU gate (the norm then applies to the gate's output). The memory is still the
+//   layer's input (the embedding for layer 0, else the previous layer's normalised output), stored
+//   as is. The attention-reconstruction loss then attends over the raw h, m and f_c(m) (no norm), as
+//   the layer does. `transformer.norm` is kept before the generator in both kinds, so the two have
+//   the same tensors (in post-LN it re-normalises an already normalised stream: one extra affine map).
+//
+// memory_layers (lucidrains' memory_layers, Rae & Razavi 2020): only the listed layers keep memory
+//   and compressed memory; the others attend within the segment only, have no `compress` (nor
+//   `decoder`) tensors, and hold no memory state: the memory (make_memory) has one slot per memory
+//   layer, in increasing layer order (memory_slot(l) maps a layer to it). The reconstruction loss
+//   sums over the memory layers. Empty (the default): every layer.
+//
+// reconstruction_kind::autoencoding (the paper's alternative loss, train/autoencoding_reconstruction.hpp):
+//   mean((g(f_c(m)) − m)²) with a ConvTranspose1d decoder g per memory layer,
+//   `transformer.layers.<l>.decoder.{weight,bias}`; only f_c and g receive its gradient.
+//
+// Compression functions needing the attention usage of the memory (most_used_compression,
+// compression_needs_usage): the memory then also carries, per memory row, the attention mass it has
+// received (summed over heads and queries, accumulated over every segment since the row entered the
+// memory as part of a segment); see compressive_memory_with_usage below.
+#include <algorithm>
+#include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../core/buffer.hpp"
 #include "../core/config.hpp"
 #include "../core/parameters.hpp"
 #include "../nn/compression.hpp"
+#include "../nn/compression_extra.hpp"
 #include "../nn/embedding.hpp"
 #include "../nn/feed_forward.hpp"
+#include "../nn/gru_gate.hpp"
 #include "../nn/layer_norm.hpp"
 #include "../nn/linear.hpp"
 #include "../nn/no_compression.hpp"
 #include "../nn/relative_attention.hpp"
 #include "../nn/residual.hpp"
 #include "../train/attention_reconstruction.hpp"
+#include "../train/autoencoding_reconstruction.hpp"
 #include "../train/compressive_memory.hpp"
 
 namespace mnemo {
+
+/// The residual connections of a layer: x + f (the reference), or a GRU gate (seed 002).
+enum class residual_kind { add, gru };
+/// Where the layer norms sit: before each sub-layer (labml, the reference) or after each residual (the paper).
+enum class norm_kind { pre, post };
+/// The compression function's auxiliary loss: attention reconstruction (labml) or auto-encoding (the paper).
+enum class reconstruction_kind { attention, autoencoding };
+
+/// What one compressive_layer is built with (compressive_transformer derives it from its options).
+struct compressive_layer_options {
+    residual_kind residual = residual_kind::add;
+    norm_kind norm = norm_kind::pre;
+    bool memory = true;    // keeps memory: declares `compress`
+    bool decoder = false;  // declares the auto-encoding decoder `decoder` (needs memory)
+};
 
 template <class T, class Config, template <class, std::size_t, std::size_t, class> class Compression,
           class Backend = cpu>
@@ -44,25 +101,39 @@ class compressive_layer {
 
 public:
     using compression_type = Compression<T, DM, Config::compression_rate, Backend>;
+    using decoder_type = conv_transpose_decoder<T, DM, Config::compression_rate, Backend>;
+    using gate_type = gru_gate<T, DM, Backend>;
 
-    compressive_layer(parameter_set<T>& ps, const std::string& prefix, index_t d_ff, index_t n_pos)
-        : compress_(ps, prefix + ".compress"),
+    compressive_layer(parameter_set<T>& ps, const std::string& prefix, index_t d_ff, index_t n_pos,
+                      const compressive_layer_options& o = {})
+        : options_(check(o, prefix)),
+          compress_(o.memory ? std::optional<compression_type>(std::in_place, ps, prefix + ".compress") : std::nullopt),
           self_attn_(ps, prefix + ".self_attn", n_pos),
           feed_forward_(ps, prefix + ".feed_forward", d_ff),
           norm_self_attn_(ps, prefix + ".norm_self_attn"),
-          norm_ff_(ps, prefix + ".norm_ff") {}
+          norm_ff_(ps, prefix + ".norm_ff"),
+          gate_attn_(o.residual == residual_kind::gru ? std::optional<gate_type>(std::in_place, ps, prefix + ".gate_attn")
+                                                      : std::nullopt),
+          gate_ff_(o.residual == residual_kind::gru ? std::optional<gate_type>(std::in_place, ps, prefix + ".gate_ff")
+                                                    : std::nullopt),
+          decoder_(o.decoder ? std::optional<decoder_type>(std::in_place, ps, prefix + ".decoder") : std::nullopt) {}
 
     void reset_parameters(rng& r) {
-        compress_.reset_parameters(r);
+        if (compress_) compress_->reset_parameters(r);
         self_attn_.reset_parameters(r);
         feed_forward_.reset_parameters(r);
         norm_self_attn_.reset_parameters();
         norm_ff_.reset_parameters();
+        if (gate_attn_) gate_attn_->reset_parameters(r);
+        if (gate_ff_) gate_ff_->reset_parameters(r);
+        if (decoder_) decoder_->reset_parameters(r);
     }
 
     /// y [Q·B, D] = layer(x [Q·B, D]) attending over [c_mem, mem, x]. Saves what backward reads.
+    /// `reuse` names memory positions whose keys and values the attention may keep from the last call.
     void forward(view<const T, DM, Backend> x, view<const T, DM, Backend> c_mem, view<const T, DM, Backend> mem,
-                 index_t batch, view<T, DM, Backend> y) {
+                 index_t batch, view<T, DM, Backend> y, const kv_reuse& reuse = {}) {
+        if (options_.norm == norm_kind::post) return forward_post(x, c_mem, mem, batch, y, reuse);
         const index_t qb = x.rows(), lb = c_mem.rows() + mem.rows(), kb = lb + qb;
         batch_ = batch;
         mem_rows_ = lb;
@@ -76,60 +147,198 @@ public:
 
         view<T, DM, Backend> a(attn_out_.ensure(qb * D), qb), x_mid(x_mid_.ensure(qb * D), qb),
             z2(z2_.ensure(qb * D), qb), f(ff_out_.ensure(qb * D), qb);
-        self_attn_.forward(z.row_range(lb, qb), z, batch, a);
-        residual<T, DM, Backend>::forward(x, a, x_mid);
+        self_attn_.forward(z.row_range(lb, qb), z, batch, a, reuse);
+        join(gate_attn_, x, a, x_mid);
         norm_ff_.forward(x_mid, z2);
         feed_forward_.forward(z2, f);
-        residual<T, DM, Backend>::forward(x_mid, f, y);
+        join(gate_ff_, x_mid, f, y);
     }
 
     /// dx [Q·B, D] (assigned) from dy; parameter gradients +=. The memory gets no gradient
     /// (stop-gradient), but the attention norm's parameters do get the memory rows' share.
     void backward(view<const T, DM, Backend> dy, view<T, DM, Backend> dx) {
+        if (options_.norm == norm_kind::post) return backward_post(dy, dx);
         const index_t qb = dy.rows(), lb = mem_rows_, kb = lb + qb;
         const view<T, DM, Backend> kv_in(kv_in_.data(), kb), z(z_.data(), kb), x_mid(x_mid_.data(), qb),
             z2(z2_.data(), qb);
         view<T, DM, Backend> d_mid(d_mid_.ensure(qb * D), qb), dz2(dz2_.ensure(qb * D), qb), dz(dz_.ensure(kb * D), kb);
-        // y = x' + FFN(LN_ff(x'))
-        residual<T, DM, Backend>::backward(dy, d_mid, view<T, DM, Backend>());
-        feed_forward_.backward(z2, dy, dz2);
+        // y = x' + FFN(LN_ff(x'))   (or gate_ff(x', FFN(LN_ff(x'))))
+        if (gate_ff_) {
+            view<T, DM, Backend> df(d_sub_.ensure(qb * D), qb);
+            gate_ff_->backward(dy, d_mid, df);
+            feed_forward_.backward(z2, df, dz2);
+        } else {
+            residual<T, DM, Backend>::backward(dy, d_mid, view<T, DM, Backend>());
+            feed_forward_.backward(z2, dy, dz2);
+        }
         norm_ff_.backward(x_mid, dz2, d_mid, /*accumulate_dx=*/true);
         // x' = x + attn(z): queries are the segment rows of z, keys and values all rows.
-        self_attn_.backward(z.row_range(lb, qb), z, d_mid, dz.row_range(lb, qb), dz, /*accumulate_dq=*/true);
+        view<const T, DM, Backend> da = d_mid;
+        if (gate_attn_) {
+            const view<T, DM, Backend> dsub(d_sub_.ensure(qb * D), qb);
+            gate_attn_->backward(d_mid, dx, dsub);
+            da = dsub;
+        }
+        self_attn_.backward(z.row_range(lb, qb), z, da, dz.row_range(lb, qb), dz, /*accumulate_dq=*/true);
         // z = LN([cm, m, x]): parameter gradients from every row, input gradient for the segment only.
         const norm_stats<T> st{mean_.data(), rstd_.data()};
         norm_self_attn_.backward(kv_in.row_range(0, lb), dz.row_range(0, lb), view<T, DM, Backend>(), st);
-        residual<T, DM, Backend>::backward(view<const T, DM, Backend>(d_mid), dx, view<T, DM, Backend>());
+        if (!gate_attn_) residual<T, DM, Backend>::backward(view<const T, DM, Backend>(d_mid), dx, view<T, DM, Backend>());
         norm_self_attn_.backward(kv_in.row_range(lb, qb), dz.row_range(lb, qb), dx,
                                  norm_stats<T>{mean_.data() + lb, rstd_.data() + lb}, /*accumulate_dx=*/true);
     }
 
-    compression_type& compress() { return compress_; }
+    /// Whether this layer keeps memory (and has a compression function).
+    bool has_memory() const { return compress_.has_value(); }
+    /// Key padding flags [K·B] for the next forward (relative_attention::set_key_padding); null: none.
+    void set_key_padding(const std::uint8_t* pad) { self_attn_.set_key_padding(pad); }
+    /// relative_attention::set_clamp_len (<= 0: off).
+    void set_clamp_len(index_t clamp_len) { self_attn_.set_clamp_len(clamp_len); }
+    const compressive_layer_options& options() const { return options_; }
+    compression_type& compress() {
+        MNEMO_CHECK(compress_.has_value(), "compressive_layer: this layer keeps no memory and has no compression function");
+        return *compress_;
+    }
+    decoder_type& decoder() {
+        MNEMO_CHECK(decoder_.has_value(), "compressive_layer: this layer has no auto-encoding decoder");
+        return *decoder_;
+    }
     const relative_attention<T, Config, Backend>& self_attn() const { return self_attn_; }
     const layer_norm<T, DM, Backend>& norm_self_attn() const { return norm_self_attn_; }
+    /// The norm the attention reads its inputs through: norm_self_attn (pre-LN), or none (post-LN).
+    const layer_norm<T, DM, Backend>* attention_input_norm() const {
+        return options_.norm == norm_kind::pre ? &norm_self_attn_ : nullptr;
+    }
 
 private:
-    compression_type compress_;
+    static const compressive_layer_options& check(const compressive_layer_options& o, const std::string& prefix) {
+        MNEMO_CHECK(!o.decoder || o.memory, "compressive_layer '", prefix, "': a decoder needs a layer with memory");
+        return o;
+    }
+
+    /// out = x + f, or gate(x, f) (out may not alias x or f in the gate's case: the gate copies them first).
+    static void join(std::optional<gate_type>& gate, view<const T, DM, Backend> x, view<const T, DM, Backend> f,
+                     view<T, DM, Backend> out) {
+        if (gate) gate->forward(x, f, out);
+        else residual<T, DM, Backend>::forward(x, f, out);
+    }
+
+    // Post-LN: a = attn(x, [cm, m, x]), s1 = x ⊕ a, x' = LN_attn(s1), s2 = x' ⊕ FFN(x'), y = LN_ff(s2).
+    void forward_post(view<const T, DM, Backend> x, view<const T, DM, Backend> c_mem, view<const T, DM, Backend> mem,
+                      index_t batch, view<T, DM, Backend> y, const kv_reuse& reuse) {
+        const index_t qb = x.rows(), lb = c_mem.rows() + mem.rows(), kb = lb + qb;
+        batch_ = batch;
+        mem_rows_ = lb;
+        view<T, DM, Backend> kv_in(kv_in_.ensure(kb * D), kb);
+        K::copy(c_mem.rows(), D, c_mem.data(), c_mem.ld(), kv_in.data(), D);
+        K::copy(mem.rows(), D, mem.data(), mem.ld(), kv_in.row(c_mem.rows()), D);
+        K::copy(qb, D, x.data(), x.ld(), kv_in.row(lb), D);
+        view<T, DM, Backend> a(attn_out_.ensure(qb * D), qb), s1(z_.ensure(qb * D), qb), x_mid(x_mid_.ensure(qb * D), qb),
+            f(ff_out_.ensure(qb * D), qb), s2(z2_.ensure(qb * D), qb);
+        self_attn_.forward(kv_in.row_range(lb, qb), kv_in, batch, a, reuse);
+        join(gate_attn_, x, a, s1);
+        norm_self_attn_.forward(s1, x_mid, norm_stats<T>{mean_.ensure(qb), rstd_.ensure(qb)});
+        feed_forward_.forward(x_mid, f);
+        join(gate_ff_, x_mid, f, s2);
+        norm_ff_.forward(s2, y);
+    }
+
+    void backward_post(view<const T, DM, Backend> dy, view<T, DM, Backend> dx) {
+        const index_t qb = dy.rows(), lb = mem_rows_, kb = lb + qb;
+        const view<T, DM, Backend> kv_in(kv_in_.data(), kb), s1(z_.data(), qb), x_mid(x_mid_.data(), qb),
+            s2(z2_.data(), qb);
+        view<T, DM, Backend> d_mid(d_mid_.ensure(qb * D), qb), ds(dz2_.ensure(qb * D), qb), dkv(dz_.ensure(kb * D), kb),
+            dsub(d_sub_.ensure(qb * D), qb);
+        // y = LN_ff(s2), s2 = x' ⊕ f, f = FFN(x')
+        norm_ff_.backward(s2, dy, ds);
+        view<const T, DM, Backend> df = ds;
+        if (gate_ff_) {
+            gate_ff_->backward(ds, d_mid, dsub);
+            df = dsub;
+        } else {
+            residual<T, DM, Backend>::backward(view<const T, DM, Backend>(ds), d_mid, view<T, DM, Backend>());
+        }
+        feed_forward_.backward(x_mid, df, d_mid, /*accumulate_dx=*/true);
+        // x' = LN_attn(s1), s1 = x ⊕ a, a = attn(x, [cm, m, x])
+        norm_self_attn_.backward(s1, d_mid, ds, norm_stats<T>{mean_.data(), rstd_.data()});
+        view<const T, DM, Backend> da = ds;
+        if (gate_attn_) {
+            gate_attn_->backward(ds, dx, dsub);
+            da = dsub;
+        } else {
+            residual<T, DM, Backend>::backward(view<const T, DM, Backend>(ds), dx, view<T, DM, Backend>());
+        }
+        self_attn_.backward(kv_in.row_range(lb, qb), kv_in, da, dkv.row_range(lb, qb), dkv, /*accumulate_dq=*/true);
+        K::add(qb, D, dx.data(), dx.ld(), dkv.row(lb), D, dx.data(), dx.ld());
+    }
+
+    compressive_layer_options options_;
+    std::optional<compression_type> compress_;  // memory layers only
     relative_attention<T, Config, Backend> self_attn_;
     feed_forward<T, DM, dynamic, relu, Backend> feed_forward_;
     layer_norm<T, DM, Backend> norm_self_attn_, norm_ff_;
+    std::optional<gate_type> gate_attn_, gate_ff_;  // residual_kind::gru only
+    std::optional<decoder_type> decoder_;           // reconstruction_kind::autoencoding, memory layers only
     index_t batch_ = 0, mem_rows_ = 0;
-    buffer<T> kv_in_, z_, mean_, rstd_, attn_out_, x_mid_, z2_, ff_out_, d_mid_, dz2_, dz_;
+    buffer<T> kv_in_, z_, mean_, rstd_, attn_out_, x_mid_, z2_, ff_out_, d_mid_, dz2_, dz_, d_sub_;
 };
 
-/// Settings fixed when the model is built (the compile-time ones are in Config).
+/// Settings fixed when the model is built (the compile-time ones are in Config). Every variant is
+/// off by default: the model is then labml's pre-LN Compressive Transformer (see the top of the file).
 struct compressive_options {
     index_t vocab = 0;
     index_t n_layers = 0;
     index_t d_ff = 0;
     index_t n_pos = 4096;  // P, the number of relative positions
+    residual_kind residual = residual_kind::add;
+    norm_kind norm = norm_kind::pre;
+    /// The layers that keep memory (any order, no repeats); empty: every layer.
+    std::vector<index_t> memory_layers = {};
+    reconstruction_kind reconstruction = reconstruction_kind::attention;
 };
 
 /// Losses of one segment.
 struct segment_losses {
     double ce = 0;              // mean cross-entropy (nats)
-    double ar = 0;              // attention-reconstruction loss (0 when nothing was compressed)
+    double ar = 0;              // reconstruction loss: attention or auto-encoding (0 when nothing was compressed)
     index_t compressed = 0;     // memory slots compressed by this segment's merge
+};
+
+/// A compressive_memory that also carries, per memory row (slot·batch + b), the attention mass the row
+/// has received: what most_used_compression selects by. The usage rows are kept parallel to the
+/// memory rows: compressive_transformer::update_memory adds the segment's attention to the rows
+/// already held, appends the new rows' usage, lets the merge compress the oldest rows (reading their
+/// usage) and then drops exactly the rows the merge dropped (the oldest ones).
+template <class T, std::size_t D, class Backend = cpu>
+class compressive_memory_with_usage : public compressive_memory<T, D, Backend> {
+    using base = compressive_memory<T, D, Backend>;
+
+public:
+    compressive_memory_with_usage(index_t n_layers, index_t mem_len, index_t c_mem_len, index_t rate)
+        : base(n_layers, mem_len, c_mem_len, rate), usage_(std::size_t(n_layers)) {}
+
+    /// As compressive_memory::reset; the usage is emptied too.
+    void reset(index_t batch, index_t max_segment = 0) {
+        base::reset(batch, max_segment);
+        for (auto& u : usage_) {
+            u.reserve(std::size_t((this->mem_len() + max_segment + this->rate()) * batch));
+            u.clear();
+        }
+    }
+    /// As compressive_memory::resize; the usage of every row is then 0 until written (usage_data).
+    void resize(index_t mem_slots, index_t c_mem_slots) {
+        base::resize(mem_slots, c_mem_slots);
+        for (auto& u : usage_) u.assign(std::size_t(mem_slots * this->batch()), T(0));
+    }
+    /// Usage of memory slot l's rows [mem_slots·batch] (oldest first, as mem(l)).
+    const T* usage(index_t l) const { return usage_[std::size_t(l)].data(); }
+    /// Mutable access for loading a saved state (after resize).
+    T* usage_data(index_t l) { return usage_[std::size_t(l)].data(); }
+    /// The usage vector of slot l, grown and shrunk by compressive_transformer::update_memory.
+    aligned_vector<T>& usage_vector(index_t l) { return usage_[std::size_t(l)]; }
+
+private:
+    std::vector<aligned_vector<T>> usage_;
 };
 
 template <class T, class Config, template <class, std::size_t, std::size_t, class> class Compression = conv_compression,
@@ -142,19 +351,33 @@ class compressive_transformer {
 public:
     using config = Config;
     using layer_type = compressive_layer<T, Config, Compression, Backend>;
-    using memory_type = compressive_memory<T, DM, Backend>;
+    /// True when the compression function selects by attention usage (most_used_compression).
+    static constexpr bool needs_usage = compression_needs_usage<typename layer_type::compression_type>;
+    using memory_type = std::conditional_t<needs_usage, compressive_memory_with_usage<T, DM, Backend>,
+                                           compressive_memory<T, DM, Backend>>;
     /// False for Transformer-XL models (no_compression): their memory must have c_mem_len = 0.
     static constexpr bool can_compress =
         !std::is_same_v<typename layer_type::compression_type, no_compression<T, DM, Config::compression_rate, Backend>>;
 
     explicit compressive_transformer(const compressive_options& o)
-        : options_(check(o)), embed_(params_, "src_embed", o.vocab), norm_(params_, "transformer.norm"),
+        : options_(normalize(o)), embed_(params_, "src_embed", o.vocab), norm_(params_, "transformer.norm"),
           generator_(params_, "generator", D, o.vocab, true) {
         layers_.reserve(std::size_t(o.n_layers));
-        for (index_t l = 0; l < o.n_layers; ++l)
-            layers_.emplace_back(params_, "transformer.layers." + std::to_string(l), o.d_ff, o.n_pos);
+        memory_slot_.assign(std::size_t(o.n_layers), -1);
+        for (std::size_t s = 0; s < options_.memory_layers.size(); ++s)
+            memory_slot_[std::size_t(options_.memory_layers[s])] = index_t(s);
+        for (index_t l = 0; l < o.n_layers; ++l) {
+            const bool memory = memory_slot_[std::size_t(l)] >= 0;
+            const compressive_layer_options lo{
+                .residual = o.residual,
+                .norm = o.norm,
+                .memory = memory,
+                .decoder = memory && can_compress && o.reconstruction == reconstruction_kind::autoencoding};
+            layers_.emplace_back(params_, "transformer.layers." + std::to_string(l), o.d_ff, o.n_pos, lo);
+        }
         params_.allocate();
         xs_.resize(std::size_t(o.n_layers + 1));
+        usage_.resize(options_.memory_layers.size());
     }
     compressive_transformer(const compressive_transformer&) = delete;
     compressive_transformer& operator=(const compressive_transformer&) = delete;
@@ -166,13 +389,26 @@ public:
         for (auto& l : layers_) l.reset_parameters(r);
         norm_.reset_parameters();
         generator_.reset_parameters(r);
+        params_.mark_changed();
     }
 
-    /// A memory for this model: mem_len uncompressed and c_mem_len compressed slots (0: Transformer-XL).
+    /// Generation cache: while on, forward keeps the projected keys and values of memory slots it has
+    /// already seen (same memory object and epoch, same slot ids, parameters unchanged by
+    /// parameter_set::values() or mark_changed()) and projects only the new ones, so a token costs
+    /// O(new slots) projections instead of O(memory). Off by default: code that writes parameters
+    /// through raw pointers kept from earlier (finite differences) must call parameters().mark_changed().
+    void cache_memory_projections(bool on) {
+        cache_projections_ = on;
+        last_.valid = false;
+    }
+    bool caches_memory_projections() const { return cache_projections_; }
+
+    /// A memory for this model: mem_len uncompressed and c_mem_len compressed slots (0: Transformer-XL),
+    /// for each memory layer (memory_layers(); slot s holds layer memory_layers()[s]).
     memory_type make_memory(index_t mem_len, index_t c_mem_len) const {
         MNEMO_CHECK(c_mem_len == 0 || can_compress, "compressive_transformer: a model without a compression function (Transformer-XL) needs "
                     "c_mem_len = 0, got ", c_mem_len);
-        return memory_type(options_.n_layers, mem_len, c_mem_len, index_t(Config::compression_rate));
+        return memory_type(n_memory_layers(), mem_len, c_mem_len, index_t(Config::compression_rate));
     }
 
     /// logits [Q·B, vocab] of a segment: tokens [Q·B] sequence-major (position·B + b), reading (not
@@ -180,17 +416,29 @@ public:
     view<const T, dynamic, Backend> forward(std::span<const token_t> tokens, index_t batch, const memory_type& mem) {
         MNEMO_CHECK(batch >= 1 && !tokens.empty() && index_t(tokens.size()) % batch == 0, "compressive_transformer: ",
                     tokens.size(), " tokens do not form a whole number of positions of batch ", batch);
-        MNEMO_CHECK(mem.n_layers() == options_.n_layers, "compressive_transformer: the memory has ", mem.n_layers(),
-                    " layers, the model ", options_.n_layers);
+        MNEMO_CHECK(mem.n_layers() == n_memory_layers(), "compressive_transformer: the memory has ", mem.n_layers(),
+                    " layers, the model ", n_memory_layers(), " memory layers");
         MNEMO_CHECK(mem.mem_slots() + mem.c_mem_slots() == 0 || mem.batch() == batch, "compressive_transformer: the "
                     "memory holds a batch of ", mem.batch(), " but the segment has batch ", batch);
         const index_t rows = index_t(tokens.size());
         batch_ = batch;
         rows_ = rows;
         for (auto& x : xs_) x.ensure(rows * D);
+        prepare_padding(mem, batch, rows);
+        const kv_reuse reuse = memory_reuse(mem, batch);
         embed_.forward(tokens, x(0));
-        for (index_t l = 0; l < options_.n_layers; ++l)
-            layers_[std::size_t(l)].forward(x(l), mem.c_mem(l), mem.mem(l), batch, x(l + 1));
+        for (index_t l = 0; l < options_.n_layers; ++l) {
+            const index_t s = memory_slot_[std::size_t(l)];
+            auto& layer = layers_[std::size_t(l)];
+            if (s < 0) {
+                layer.forward(x(l), view<const T, DM, Backend>(), view<const T, DM, Backend>(), batch, x(l + 1));
+                continue;
+            }
+            layer.forward(x(l), mem.c_mem(s), mem.mem(s), batch, x(l + 1), reuse);
+            if constexpr (needs_usage) segment_usage(s, layer, mem);
+        }
+        last_ = {true, mem.epoch(), params_.version(), mem.c_mem_first_id(), mem.mem_first_id(), mem.c_mem_slots(),
+                 mem.mem_slots(), rows / batch, batch};
         view<T, DM, Backend> hn(hn_.ensure(rows * D), rows);
         norm_.forward(x(options_.n_layers), hn);
         view<T, dynamic, Backend> logits(logits_.ensure(rows * options_.vocab), rows, options_.vocab);
@@ -202,10 +450,37 @@ public:
     /// (no gradient). Returns the number of slots compressed. Call after forward.
     index_t update_memory(memory_type& mem) {
         if (mem.mem_slots() + mem.c_mem_slots() == 0 && mem.batch() != batch_) mem.reset(batch_, rows_ / batch_);
-        return mem.merge([&](index_t l) { return view<const T, DM, Backend>(x(l)); },
-                         [&](index_t l, view<const T, DM, Backend> in, view<T, DM, Backend> out) {
-                             layers_[std::size_t(l)].compress().forward(in, batch_, out);
-                         });
+        if constexpr (needs_usage) {
+            // The rows held gain this segment's attention; the new rows start with theirs.
+            for (index_t s = 0; s < n_memory_layers(); ++s) {
+                auto& u = mem.usage_vector(s);
+                const auto& add = usage_[std::size_t(s)];
+                const std::size_t held = u.size();
+                MNEMO_CHECK(held == std::size_t(mem.mem_slots() * mem.batch()) && add.size() == held + std::size_t(rows_),
+                            "compressive_transformer: the memory's usage does not match the last forward (call "
+                            "update_memory once after each forward, with the memory forward read)");
+                for (std::size_t i = 0; i < held; ++i) u[i] += add[i];
+                u.insert(u.end(), add.begin() + std::ptrdiff_t(held), add.end());
+            }
+        }
+        const index_t before = mem.mem_slots();
+        const index_t n_old = mem.merge(
+            [&](index_t s) { return view<const T, DM, Backend>(x(memory_layer(s))); },
+            [&](index_t s, view<const T, DM, Backend> in, view<T, DM, Backend> out) {
+                auto& f_c = layers_[std::size_t(memory_layer(s))].compress();
+                if constexpr (needs_usage) f_c.set_usage(mem.usage(s), in.rows());
+                f_c.forward(in, batch_, out);
+            },
+            seg_padded_ ? seg_pad_.data() : nullptr);
+        if constexpr (needs_usage) {
+            // Drop the usage of the rows the merge dropped: the oldest (held + new − kept) slots.
+            const index_t dropped = (before + rows_ / batch_ - mem.mem_slots()) * batch_;
+            for (index_t s = 0; s < n_memory_layers(); ++s) {
+                auto& u = mem.usage_vector(s);
+                u.erase(u.begin(), u.begin() + std::ptrdiff_t(dropped));
+            }
+        }
+        return n_old;
     }
 
     /// Mean cross-entropy of the last forward's logits against targets [Q·B] (negative: ignored).
@@ -227,15 +502,30 @@ public:
         return counted > 0 ? sum / double(counted) : 0.0;
     }
 
-    /// Attention-reconstruction loss summed over layers, for the slots the last merge compressed
-    /// (0 when none). With `with_grad`, only the compression functions' gradients +=.
+    /// The reconstruction loss (attention reconstruction, or auto-encoding with
+    /// reconstruction_kind::autoencoding) summed over the memory layers, for the slots the last merge
+    /// compressed (0 when none). With `with_grad`, only the compression functions' (and the decoders')
+    /// gradients +=.
     double reconstruction_loss(const memory_type& mem, bool with_grad) {
         if (mem.compressed_away_slots() == 0) return 0.0;
         double total = 0;
-        for (index_t l = 0; l < options_.n_layers; ++l) {
+        for (index_t s = 0; s < n_memory_layers(); ++s) {
+            const index_t l = memory_layer(s);
             auto& layer = layers_[std::size_t(l)];
-            total += double(ar_.compute(layer.norm_self_attn(), layer.self_attn(), layer.compress(),
-                                        view<const T, DM, Backend>(x(l)), mem.compressed_away(l), batch_, with_grad));
+            if (options_.reconstruction == reconstruction_kind::autoencoding) {
+                if constexpr (can_compress)
+                    total += ae_.compute(layer.compress(), layer.decoder(), mem.compressed_away(s), batch_, with_grad);
+            } else if (options_.norm == norm_kind::pre) {
+                total += double(ar_.compute(layer.norm_self_attn(), layer.self_attn(), layer.compress(),
+                                            view<const T, DM, Backend>(x(l)), mem.compressed_away(s), batch_, with_grad,
+                                            seg_padded_ ? seg_pad_.data() : nullptr,
+                                            padding_active_ ? mem.compressed_away_pad() : nullptr));
+            } else {
+                total += double(ar_.compute(layer.attention_input_norm(), layer.self_attn(), layer.compress(),
+                                            view<const T, DM, Backend>(x(l)), mem.compressed_away(s), batch_, with_grad,
+                                            seg_padded_ ? seg_pad_.data() : nullptr,
+                                            padding_active_ ? mem.compressed_away_pad() : nullptr));
+            }
         }
         return total;
     }
@@ -280,26 +570,108 @@ public:
         return out;
     }
 
+    // Padding (a pad mask that travels with the tokens into the memory and the compressed memory):
+    //   pad [Q·B] in token order (position·B + b), nonzero = a padding position. Attention never attends
+    //   to a padded key (segment, memory or compressed memory); the memory keeps the flags per slot
+    //   (compressive_memory: a compressed slot is padding iff all its `rate` sources are). A padded
+    //   query with no real key visible attends to nothing: its attention context is zero (the
+    //   sub-layer yields the output projection's bias; see relative_attention), never NaN. The
+    //   attention-reconstruction loss leaves padded queries and padded slots out (see
+    //   train/attention_reconstruction.hpp); the auto-encoding loss does not read the mask. The
+    //   cross-entropy does not read the mask either: pass target −1 (ignored) at padded positions.
+    //   Without a mask (or an all-zero one, with no padded slot in the memory) everything is bitwise as
+    //   without padding.
+
+    /// forward with a pad mask (see above); the 3-argument forward is the same with no padding.
+    view<const T, dynamic, Backend> forward(std::span<const token_t> tokens, index_t batch, const memory_type& mem,
+                                            std::span<const std::uint8_t> pad) {
+        next_pad_ = pad;
+        next_pad_set_ = true;
+        return forward(tokens, batch, mem);
+    }
+    /// train_segment with a pad mask (targets at padded positions should be −1).
+    segment_losses train_segment(std::span<const token_t> tokens, std::span<const token_t> targets, index_t batch,
+                                 memory_type& mem, std::span<const std::uint8_t> pad) {
+        next_pad_ = pad;
+        next_pad_set_ = true;
+        return train_segment(tokens, targets, batch, mem);
+    }
+    /// eval_segment with a pad mask (targets at padded positions should be −1).
+    segment_losses eval_segment(std::span<const token_t> tokens, std::span<const token_t> targets, index_t batch,
+                                memory_type& mem, std::span<const std::uint8_t> pad) {
+        next_pad_ = pad;
+        next_pad_set_ = true;
+        return eval_segment(tokens, targets, batch, mem);
+    }
+    /// Transformer-XL's clamp_len for every layer: relative distances above it use the embedding of
+    /// distance clamp_len (relative_attention::set_clamp_len); <= 0: off (the default). A runtime
+    /// setting: the parameters do not depend on it.
+    void set_clamp_len(index_t clamp_len) {
+        clamp_len_ = clamp_len > 0 ? clamp_len : 0;
+        for (auto& l : layers_) l.set_clamp_len(clamp_len_);
+    }
+    index_t clamp_len() const { return clamp_len_; }
+    /// Whether the last forward had any padding (in its segment or its memory).
+    bool last_forward_padded() const { return padding_active_; }
+
     parameter_set<T>& parameters() { return params_; }
     const parameter_set<T>& parameters() const { return params_; }
+    /// The options as built (memory_layers listed in full, increasing).
     const compressive_options& options() const { return options_; }
     index_t vocab() const { return options_.vocab; }
     index_t n_layers() const { return options_.n_layers; }
+    /// The layers that keep memory, increasing; memory slot s holds layer memory_layers()[s].
+    const std::vector<index_t>& memory_layers() const { return options_.memory_layers; }
+    index_t n_memory_layers() const { return index_t(options_.memory_layers.size()); }
+    /// The memory slot of layer l, or −1 for a layer without memory.
+    index_t memory_slot(index_t l) const { return memory_slot_[std::size_t(l)]; }
+    /// The layer of memory slot s.
+    index_t memory_layer(index_t s) const { return options_.memory_layers[std::size_t(s)]; }
     /// The last forward's logits [Q·B, vocab].
     view<const T, dynamic, Backend> logits() const {
         return view<const T, dynamic, Backend>(logits_.data(), rows_, options_.vocab);
     }
+    /// The last forward's input of layer l [Q·B, D] (l = n_layers: the last layer's output).
+    view<const T, DM, Backend> layer_input(index_t l) const {
+        MNEMO_CHECK(l >= 0 && l <= options_.n_layers, "compressive_transformer: layer_input(", l, ") out of [0, ",
+                    options_.n_layers, "]");
+        return view<const T, DM, Backend>(xs_[std::size_t(l)].data(), rows_);
+    }
     layer_type& layer(index_t l) { return layers_[std::size_t(l)]; }
 
 private:
-    static const compressive_options& check(const compressive_options& o) {
+    static compressive_options normalize(compressive_options o) {
         MNEMO_CHECK(o.vocab >= 1, "compressive_transformer: vocab must be at least 1, got ", o.vocab);
         MNEMO_CHECK(o.n_layers >= 1, "compressive_transformer: n_layers must be at least 1, got ", o.n_layers);
         MNEMO_CHECK(o.d_ff >= 1, "compressive_transformer: d_ff must be at least 1, got ", o.d_ff);
         MNEMO_CHECK(o.n_pos >= 1, "compressive_transformer: n_pos must be at least 1, got ", o.n_pos);
+        auto& m = o.memory_layers;
+        if (m.empty())
+            for (index_t l = 0; l < o.n_layers; ++l) m.push_back(l);
+        std::sort(m.begin(), m.end());
+        for (std::size_t i = 0; i < m.size(); ++i) {
+            MNEMO_CHECK(m[i] >= 0 && m[i] < o.n_layers, "compressive_transformer: memory layer ", m[i],
+                        " is not a layer of a model with ", o.n_layers, " layers (0 … ", o.n_layers - 1, ")");
+            MNEMO_CHECK(i == 0 || m[i] != m[i - 1], "compressive_transformer: memory layer ", m[i], " is listed twice");
+        }
         return o;
     }
     view<T, DM, Backend> x(index_t l) { return view<T, DM, Backend>(xs_[std::size_t(l)].data(), rows_); }
+
+    /// Most-used compression: the attention mass memory slot s's layer just gave each of its memory
+    /// rows and each of the segment's rows (the rows update_memory appends), summed over heads and
+    /// queries: usage_[s] [(mem_slots + Q)·batch], key-row order.
+    void segment_usage(index_t s, const layer_type& layer, const memory_type& mem) {
+        const auto& attn = layer.self_attn();
+        static_assert(requires { attn.attention_weights(); },
+                      "mnemo: most-used compression needs relative_attention::attention_weights() (the softmax "
+                      "output [batch][heads][Q][K])");
+        const index_t q = rows_ / batch_, c = mem.c_mem_slots(), k = c + mem.mem_slots() + q;
+        T* all = usage_all_.ensure(k * batch_);
+        std::fill(all, all + k * batch_, T(0));
+        accumulate_key_usage(batch_, index_t(Config::heads), q, k, attn.attention_weights(), all);
+        usage_[std::size_t(s)].assign(all + c * batch_, all + k * batch_);
+    }
 
     compressive_options options_;
     parameter_set<T> params_;
@@ -308,11 +680,82 @@ private:
     layer_norm<T, DM, Backend> norm_;
     linear<T, DM, dynamic, Backend> generator_;
     attention_reconstruction<T, Config, Backend> ar_;
+    autoencoding_reconstruction<T, DM, Config::compression_rate, Backend> ae_;
+    std::vector<index_t> memory_slot_;  // per layer: its memory slot, or −1
     index_t batch_ = 0, rows_ = 0;
+    // Padding: the mask handed to the next forward; the last forward's segment flags [Q·B] and key
+    // flags [(c_mem + mem)·B + Q·B] ([c_mem, mem, segment]).
+    std::span<const std::uint8_t> next_pad_;
+    bool next_pad_set_ = false, seg_padded_ = false, padding_active_ = false;
+    std::vector<std::uint8_t> seg_pad_, key_pad_;
+    index_t clamp_len_ = 0;
+
+    /// Reads (and clears) the pending pad mask; sets every layer's key padding for this forward.
+    void prepare_padding(const memory_type& mem, index_t batch, index_t rows) {
+        const bool given = next_pad_set_;
+        const std::span<const std::uint8_t> pad = next_pad_;
+        next_pad_set_ = false;
+        next_pad_ = {};
+        seg_padded_ = false;
+        if (given) {
+            MNEMO_CHECK(index_t(pad.size()) == rows, "compressive_transformer: the pad mask has ", pad.size(),
+                        " entries for ", rows, " tokens (one per token, in the same order)");
+            seg_pad_.assign(pad.begin(), pad.end());
+            for (std::uint8_t f : pad) seg_padded_ = seg_padded_ || f != 0;
+        }
+        const bool mem_padded = mem.mem_slots() + mem.c_mem_slots() > 0 && mem.has_padding();
+        padding_active_ = seg_padded_ || mem_padded;
+        if (!padding_active_) {
+            for (auto& l : layers_) l.set_key_padding(nullptr);
+            return;
+        }
+        if (!seg_padded_) seg_pad_.assign(std::size_t(rows), 0);
+        const index_t c = mem.c_mem_slots() * batch, m = mem.mem_slots() * batch;
+        key_pad_.resize(std::size_t(c + m + rows));
+        if (c) std::copy(mem.c_mem_pad(), mem.c_mem_pad() + c, key_pad_.begin());
+        if (m) std::copy(mem.mem_pad(), mem.mem_pad() + m, key_pad_.begin() + c);
+        std::copy(seg_pad_.begin(), seg_pad_.end(), key_pad_.begin() + c + m);
+        for (index_t l = 0; l < options_.n_layers; ++l)
+            layers_[std::size_t(l)].set_key_padding(memory_slot_[std::size_t(l)] >= 0 ? key_pad_.data()
+                                                                                    : key_pad_.data() + c + m);
+    }
     bool has_d_logits_ = false;
+    // The generation cache: what the last forward's keys and values were computed from.
+    struct projected_memory {
+        bool valid = false;
+        std::uint64_t epoch = 0, version = 0;
+        std::int64_t c_first = 0, m_first = 0;
+        index_t c_slots = 0, m_slots = 0, q = 0, batch = 0;
+    };
+    bool cache_projections_ = false;
+    projected_memory last_;
+
+    /// Key positions of this forward ([c_mem, mem, segment]) already projected by the last one: the
+    /// compressed slots both hold, and the memory slots that were the last forward's memory or its
+    /// segment (which the merge in between appended to the memory).
+    kv_reuse memory_reuse(const memory_type& mem, index_t batch) const {
+        kv_reuse r;
+        if (!cache_projections_ || !last_.valid || last_.epoch != mem.epoch() || last_.version != params_.version() ||
+            last_.batch != batch)
+            return r;
+        const std::int64_t cf = mem.c_mem_first_id(), mf = mem.mem_first_id();
+        const index_t cc = mem.c_mem_slots(), mc = mem.mem_slots();
+        {  // compressed slots: positions [0, cc) now, [0, last c_slots) then
+            const std::int64_t lo = std::max(cf, last_.c_first), hi = std::min(cf + cc, last_.c_first + last_.c_slots);
+            if (hi > lo) r.add(index_t(lo - cf), index_t(lo - last_.c_first), index_t(hi - lo));
+        }
+        {  // memory slots: positions cc + (id − mf) now; then cc_last + (id − mf_last) over memory + segment
+            const std::int64_t lo = std::max(mf, last_.m_first),
+                               hi = std::min(mf + mc, last_.m_first + last_.m_slots + last_.q);
+            if (hi > lo) r.add(cc + index_t(lo - mf), last_.c_slots + index_t(lo - last_.m_first), index_t(hi - lo));
+        }
+        return r;
+    }
     std::vector<buffer<T>> xs_;  // layer inputs [Q·B, D]; xs_[L] is the last layer's output
     buffer<T> hn_, logits_, ce_rows_, d_logits_, dhn_;
     buffer<T> dx_[2];
+    std::vector<aligned_vector<T>> usage_;  // most-used: per memory slot, the last forward's usage
+    buffer<T> usage_all_;
 };
 
 }  // namespace mnemo

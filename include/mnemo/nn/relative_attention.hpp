@@ -22,6 +22,19 @@
 // the window, column c ↔ table row P − K + c, and score (i, j) reads column c = Q + j − i.
 // P (n_pos) is a runtime setting; K > P or Q > P is an error.
 //
+// clamp_len (Transformer-XL's option; set_clamp_len, 0 or negative = off, the default): a distance
+// δ > clamp_len uses the table row of clamp_len, P − min(δ, clamp_len), for R and S alike. The window GEMM
+// is unchanged; a clamped score reads the window column of distance clamp_len (column K − clamp_len),
+// and backward adds the clamped scores' gradients to that column, so R and S's row P − clamp_len
+// receives them. With clamp_len ≥ K − 1 (every distance) the results are bitwise those without it.
+//
+// Key padding (set_key_padding; null = none, the default): flags [K·B] in key-row order (position·B + b),
+// nonzero = a padding position. A padded key gets exactly zero attention weight. A query row whose every
+// visible key is padded (a padded position with nothing real before it) gets all-zero weights, so its
+// context Σ_j a[i, j]·v_j is zero and the sub-layer's output for it is the output projection's bias
+// b_o (finite, never NaN); its gradient through the attention is zero. A batch element with no padded
+// key takes the unmasked path, bitwise as without padding.
+//
 // Keys and values are one GEMM: the key and value weights are declared one after the other, so in the
 // parameter buffer they form one [2D, D] matrix (checked at run time; two GEMMs otherwise), and k, v
 // live side by side in one [K·B, 2D] buffer. Backward likewise makes dW_k, dW_v and d_zkv one GEMM each.
@@ -31,9 +44,11 @@
 // assigned (d_zq may be asked to accumulate, for callers whose queries are rows of z_kv).
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "../core/buffer.hpp"
 #include "../core/parallel.hpp"
@@ -82,6 +97,13 @@ public:
         u_ = ps.declare(name + ".query_pos_bias", {index_t(heads), index_t(d_head)});
     }
 
+    /// Distances above clamp_len use the row of clamp_len (see the top of the file); <= 0: off.
+    void set_clamp_len(index_t clamp_len) { clamp_len_ = clamp_len > 0 ? clamp_len : 0; }
+    index_t clamp_len() const { return clamp_len_; }
+    /// Key padding flags [K·B] (key-row order, nonzero = padding) for the following forward calls,
+    /// read at each forward (the pointer must stay valid until then); null: no padding.
+    void set_key_padding(const std::uint8_t* pad) { key_pad_ = pad; }
+
     /// PyTorch defaults for the linears; R, S and u start at zero (as the reference).
     void reset_parameters(rng& r) const {
         query_.reset_parameters(r);
@@ -124,6 +146,7 @@ public:
         const T* s_win = s_.value() + (n_pos_ - k_len_) * H;
         const index_t ld = batch_ * D, ldkv = batch_ * 2 * D;  // row strides of one batch element's sequence
         const index_t mem = k_len_ - q_len_;
+        const std::uint8_t* keep = key_pad_ ? build_keep() : nullptr;
         parallel_range(batch_ * H, true, [&](index_t bh_begin, index_t bh_end) {
             for (index_t bh = bh_begin; bh < bh_end; ++bh) {
                 const index_t b = bh / H, h = bh % H;
@@ -135,10 +158,19 @@ public:
                     const T* pi = ph + (i * batch_ + b) * w + q_len_ - i;  // column Q + j − i at j = 0
                     const T* si = s_win + (q_len_ - i) * H + h;
                     T* ai = a + i * k_len_;
-                    const index_t visible = mem + i + 1;
-                    for (index_t j = 0; j < visible; ++j) ai[j] = scale * (ai[j] + pi[j] + si[j * H]);
+                    const index_t visible = mem + i + 1, j0 = clamped(i);
+                    if (j0 > 0) {  // δ > clamp_len: the window column and S row of distance clamp_len
+                        const T pc = ph[(i * batch_ + b) * w + k_len_ - clamp_len_], sc = s_win[(k_len_ - clamp_len_) * H + h];
+                        for (index_t j = 0; j < j0; ++j) ai[j] = scale * (ai[j] + pc + sc);
+                    }
+                    for (index_t j = j0; j < visible; ++j) ai[j] = scale * (ai[j] + pi[j] + si[j * H]);
                 }
-                K::softmax_forward(q_len_, k_len_, a, k_len_, a, k_len_, T(1), softmax_mask::causal_from(mem));
+                softmax_mask mask = softmax_mask::causal_from(mem);
+                if (keep && keep_any_[std::size_t(b)]) {
+                    mask.keep = keep + b * k_len_;
+                    mask.ld_keep = 0;  // the same key mask for every query row
+                }
+                K::softmax_forward(q_len_, k_len_, a, k_len_, a, k_len_, T(1), mask);
                 K::gemm_nn(q_len_, Dk, k_len_, a, k_len_, kv + kv_off + D, ldkv, ctx.data() + off, ld);
             }
         });
@@ -186,8 +218,13 @@ public:
                     T* pi = ph + (i * batch_ + b) * w;
                     for (index_t c = 0; c < w; ++c) pi[c] = T(0);
                     const T* dsi = ds + i * k_len_;
-                    const index_t visible = mem + i + 1;
-                    for (index_t j = 0; j < visible; ++j) pi[q_len_ + j - i] = dsi[j];
+                    const index_t visible = mem + i + 1, j0 = clamped(i);
+                    for (index_t j = j0; j < visible; ++j) pi[q_len_ + j - i] = dsi[j];
+                    if (j0 > 0) {  // clamped scores read the column of distance clamp_len
+                        T sum = T(0);
+                        for (index_t j = 0; j < j0; ++j) sum += dsi[j];
+                        pi[k_len_ - clamp_len_] += sum;
+                    }
                 }
             }
         });
@@ -243,6 +280,23 @@ private:
                     "; raise n_pos or shorten the memory");
     }
     index_t window() const { return k_len_ + q_len_; }
+    /// Keys j < clamped(i) of query i are farther than clamp_len (0 when clamping is off).
+    index_t clamped(index_t i) const {
+        if (clamp_len_ <= 0) return 0;
+        return std::max<index_t>(0, k_len_ - q_len_ + i - clamp_len_);
+    }
+    /// keep [B, K] (1 = visible) from the key padding flags; keep_any_[b]: batch element b has a padded key.
+    const std::uint8_t* build_keep() {
+        std::uint8_t* keep = keep_.ensure(batch_ * k_len_);
+        keep_any_.assign(std::size_t(batch_), 0);
+        for (index_t j = 0; j < k_len_; ++j)
+            for (index_t b = 0; b < batch_; ++b) {
+                const bool pad = key_pad_[j * batch_ + b] != 0;
+                keep[b * k_len_ + j] = pad ? 0 : 1;
+                keep_any_[std::size_t(b)] |= std::uint8_t(pad);
+            }
+        return keep;
+    }
 
     /// kv for this call from the last call's (spans of `reuse`) and fresh projections of the rest.
     T* reuse_kv(const kv_reuse& reuse, const T* z, index_t ldz) {
@@ -317,6 +371,10 @@ private:
     linear<T, d_model, d_model, Backend> query_, key_, value_, output_;
     param<T> r_, s_, u_;
     index_t q_len_ = 0, k_len_ = 0, batch_ = 0, last_k_len_ = 0, last_batch_ = 0;
+    index_t clamp_len_ = 0;                  // 0: off
+    const std::uint8_t* key_pad_ = nullptr;  // [K·B], nonzero = padding; null: none
+    buffer<std::uint8_t> keep_;              // [B, K], 1 = visible
+    std::vector<std::uint8_t> keep_any_;     // [B]
     // Saved by forward: q, q + u [Q·B, D]; [k, v] [K·B, 2D]; attention weights [B, H, Q, K]; context [Q·B, D].
     buffer<T> q_, qu_, kv_, kv_prev_, attn_, ctx_;
     // Scratch: positional scores / their gradient [H, Q·B, W]; backward's gradients.

@@ -11,11 +11,22 @@
 // A post-LayerNorm layer (compressive_transformer with norm_kind::post) attends over its raw inputs,
 // so its loss takes no norm (pass a null norm): hn = h, mn = m, cn = f_c(m).
 //
+// Padding (h_pad [Q·B] for h's rows, m_pad [n_old·B] for m's slots, nonzero = padding; null = none):
+//   - a padded slot of m is masked out of attn(·, mn) (zero weight); a compressed slot is masked out of
+//     attn(·, cn) iff all `rate` slots it was made from are padding (the memory's rule);
+//   - a query row from a padded position of h is left out of the MSE: the mean runs over the N =
+//     (unpadded rows of h)·D elements of the unpadded rows only (no row: the loss is 0, no gradient);
+//   - an unpadded query whose keys are all masked on one side attends to nothing there: that side's
+//     output is zero (the row still counts in the mean).
+//   Without padding the loss is bitwise the one above.
+//
 // Its gradient reaches only f_c's parameters: every other parameter is read as a constant (the
 // backward passes here use backward_input, which never touches a parameter gradient). Nothing is
 // switched off in place, so the key/value weights keep training from the cross-entropy loss (the
 // defect of a published implementation that detached them in place for good).
 #include <cmath>
+#include <cstdint>
+#include <vector>
 
 #include "../core/parallel.hpp"
 #include "../core/buffer.hpp"
@@ -36,15 +47,15 @@ public:
     template <class Compression>
     T compute(const layer_norm<T, DM, Backend>& norm, const relative_attention<T, Config, Backend>& attn,
               Compression& compress, view<const T, DM, Backend> h, view<const T, DM, Backend> m, index_t batch,
-              bool with_grad) {
-        return compute(&norm, attn, compress, h, m, batch, with_grad);
+              bool with_grad, const std::uint8_t* h_pad = nullptr, const std::uint8_t* m_pad = nullptr) {
+        return compute(&norm, attn, compress, h, m, batch, with_grad, h_pad, m_pad);
     }
 
     /// The same with the norm optional: a null `norm` attends over h, m and f_c(m) as they are.
     template <class Compression>
     T compute(const layer_norm<T, DM, Backend>* norm, const relative_attention<T, Config, Backend>& attn,
               Compression& compress, view<const T, DM, Backend> h, view<const T, DM, Backend> m, index_t batch,
-              bool with_grad) {
+              bool with_grad, const std::uint8_t* h_pad = nullptr, const std::uint8_t* m_pad = nullptr) {
         const index_t qb = h.rows(), mb = m.rows(), cb = Compression::compressed_rows(mb, batch);
         const index_t q_len = qb / batch, m_len = mb / batch, c_len = cb / batch;
         view<T, DM, Backend> cm(cm_.ensure(cb * D), cb);
@@ -76,22 +87,53 @@ public:
         view<T, DM, Backend> out_m(out_m_.ensure(qb * D), qb), out_c(out_c_.ensure(qb * D), qb);
         T* a_m = a_m_.ensure(batch * H * q_len * m_len);
         T* a_c = a_c_.ensure(batch * H * q_len * c_len);
-        plain_attention(q, km, vm, a_m, out_m, batch, q_len, m_len);
-        plain_attention(q, kc, vc, a_c, out_c, batch, q_len, c_len);
-
-        // MSE, summed in double in a fixed order; d out_c = 2 (out_c − out_m) / N.
-        const index_t n = qb * D;
-        double sum = 0;
-        T* diff = diff_.ensure(n);
-        for (index_t i = 0; i < n; ++i) {
-            diff[i] = out_c.data()[i] - out_m.data()[i];
-            sum += double(diff[i]) * double(diff[i]);
+        // Key masks [B, n] (1 = visible) from the padding of m and of the compressed slots.
+        const std::uint8_t *keep_m = nullptr, *keep_c = nullptr;
+        if (m_pad) {
+            const index_t rate = c_len > 0 ? m_len / c_len : 1;
+            std::uint8_t* km_keep = keep_m_.ensure(batch * m_len);
+            std::uint8_t* kc_keep = keep_c_.ensure(batch * c_len);
+            any_m_.assign(std::size_t(batch), 0);
+            any_c_.assign(std::size_t(batch), 0);
+            for (index_t b = 0; b < batch; ++b) {
+                for (index_t s = 0; s < m_len; ++s) {
+                    const bool pad = m_pad[s * batch + b] != 0;
+                    km_keep[b * m_len + s] = pad ? 0 : 1;
+                    any_m_[std::size_t(b)] |= std::uint8_t(pad);
+                }
+                for (index_t s = 0; s < c_len; ++s) {
+                    bool all = true;
+                    for (index_t t = 0; t < rate; ++t) all = all && m_pad[(s * rate + t) * batch + b] != 0;
+                    kc_keep[b * c_len + s] = all ? 0 : 1;
+                    any_c_[std::size_t(b)] |= std::uint8_t(all);
+                }
+            }
+            keep_m = km_keep;
+            keep_c = kc_keep;
         }
+        plain_attention(q, km, vm, a_m, out_m, batch, q_len, m_len, keep_m, any_m_.data());
+        plain_attention(q, kc, vc, a_c, out_c, batch, q_len, c_len, keep_c, any_c_.data());
+
+        // MSE over the unpadded query rows, summed in double in a fixed order; d out_c = 2 (out_c − out_m) / N.
+        index_t rows_counted = qb;
+        if (h_pad)
+            for (index_t r = 0; r < qb; ++r) rows_counted -= h_pad[r] != 0;
+        const index_t n = rows_counted * D;
+        double sum = 0;
+        T* diff = diff_.ensure(qb * D);
+        for (index_t r = 0; r < qb; ++r) {
+            const bool skip = h_pad && h_pad[r];
+            for (index_t i = r * D; i < (r + 1) * D; ++i) {
+                diff[i] = skip ? T(0) : out_c.data()[i] - out_m.data()[i];
+                if (!skip) sum += double(diff[i]) * double(diff[i]);
+            }
+        }
+        if (n == 0) return T(0);
         const T loss = T(sum / double(n));
         if (!with_grad || !Compression::has_parameters) return loss;
 
         const T g = T(2) / T(n);
-        for (index_t i = 0; i < n; ++i) diff[i] *= g;  // now d loss / d out_c
+        for (index_t i = 0; i < qb * D; ++i) diff[i] *= g;  // now d loss / d out_c (0 on padded rows)
         view<T, DM, Backend> dkc(dkc_.ensure(cb * D), cb), dvc(dvc_.ensure(cb * D), cb), dcn(dcn_.ensure(cb * D), cb),
             dcm(dcm_.ensure(cb * D), cb);
         T* da = da_.ensure(batch * H * q_len * c_len);
@@ -117,9 +159,11 @@ public:
 
 private:
     // out [Q·B, D] = per (b, head) softmax(scale·q·kᵀ)·v over all n keys; a [B, H, Q, n] saved.
+    // keep [B, n] (optional, 1 = visible) masks keys of the batch elements with any[b] set.
     static void plain_attention(view<const T, DM, Backend> q, view<const T, DM, Backend> k,
                                 view<const T, DM, Backend> v, T* a, view<T, DM, Backend> out, index_t batch,
-                                index_t q_len, index_t n) {
+                                index_t q_len, index_t n, const std::uint8_t* keep = nullptr,
+                                const std::uint8_t* any = nullptr) {
         const T scale = T(1) / std::sqrt(T(Dk));
         const index_t ld = batch * D;
         parallel_range(batch * H, true, [&](index_t begin, index_t end) {
@@ -128,7 +172,12 @@ private:
                 const index_t off = b * D + hh * Dk;
                 T* ab = a + (b * H + hh) * q_len * n;
                 K::gemm_nt(q_len, n, Dk, q.data() + off, ld, k.data() + off, ld, ab, n);
-                K::softmax_forward(q_len, n, ab, n, ab, n, scale);
+                softmax_mask mask{};
+                if (keep && any[b]) {
+                    mask.keep = keep + b * n;
+                    mask.ld_keep = 0;
+                }
+                K::softmax_forward(q_len, n, ab, n, ab, n, scale, mask);
                 K::gemm_nn(q_len, Dk, n, ab, n, v.data() + off, ld, out.data() + off, ld);
             }
         });
@@ -137,6 +186,8 @@ private:
     buffer<T> cm_, hn_, mn_, cn_, q_, km_, vm_, kc_, vc_, out_m_, out_c_, a_m_, a_c_, diff_;
     buffer<T> st_h_, st_h_r_, st_m_, st_m_r_, st_c_, st_c_r_;
     buffer<T> dkc_, dvc_, dcn_, dcm_, da_;
+    buffer<std::uint8_t> keep_m_, keep_c_;
+    std::vector<std::uint8_t> any_m_, any_c_;
 };
 
 }  // namespace mnemo

@@ -17,6 +17,13 @@
 // Layout per layer: sequence-major rows (slot·batch + b) × d_model, oldest slot first. Storage is
 // reserved up front, so merging allocates nothing in steady state.
 //
+// Padding: the memory also keeps one pad flag per slot and batch element ([slots·batch], slot·batch + b,
+// nonzero = padding), shared by every layer (a position is padding in all layers or in none), shifted
+// exactly as the memory on every merge: the new slots take the flags merge() is given (none: not
+// padding); a compressed slot is padding iff all `rate` slots it was made from are; the slots
+// compressed away keep theirs (compressed_away_pad) for the reconstruction loss. The model masks
+// padded slots out of attention (compressive_transformer::forward with a pad mask).
+//
 // Slot identities: every slot gets a number when it enters the memory (or the compressed memory),
 // counting up, so the slots held are always the consecutive ids [mem_first_id, mem_first_id +
 // mem_slots) (likewise for the compressed memory), and `epoch` changes whenever the contents are
@@ -67,6 +74,12 @@ public:
             l.c_mem.clear();
             l.away.clear();
         }
+        for (auto* p : {&pad_, &away_pad_}) {
+            p->reserve(std::size_t(m * batch));
+            p->clear();
+        }
+        c_pad_.reserve(std::size_t(cm * batch));
+        c_pad_.clear();
     }
 
     index_t n_layers() const { return n_layers_; }
@@ -86,6 +99,23 @@ public:
     std::int64_t mem_first_id() const { return mem_first_id_; }
     std::int64_t c_mem_first_id() const { return c_mem_first_id_; }
 
+    /// Pad flags [mem_slots·batch], [c_mem_slots·batch], [compressed_away_slots·batch] (nonzero = padding),
+    /// the same for every layer.
+    const std::uint8_t* mem_pad() const { return pad_.data(); }
+    const std::uint8_t* c_mem_pad() const { return c_pad_.data(); }
+    const std::uint8_t* compressed_away_pad() const { return away_pad_.data(); }
+    /// Whether any slot held (memory or compressed memory) is padding.
+    bool has_padding() const {
+        for (std::uint8_t f : pad_)
+            if (f) return true;
+        for (std::uint8_t f : c_pad_)
+            if (f) return true;
+        return false;
+    }
+    /// Mutable access for loading a saved state (after resize).
+    std::uint8_t* mem_pad_data() { return pad_.data(); }
+    std::uint8_t* c_mem_pad_data() { return c_pad_.data(); }
+
     view<const T, D, Backend> mem(index_t l) const { return rows(layers_[std::size_t(l)].mem, mem_slots_); }
     view<const T, D, Backend> c_mem(index_t l) const { return rows(layers_[std::size_t(l)].c_mem, c_mem_slots_); }
     view<const T, D, Backend> compressed_away(index_t l) const {
@@ -94,7 +124,7 @@ public:
     /// Mutable access for loading a saved state (the trainer's resume).
     T* mem_data(index_t l) { return layers_[std::size_t(l)].mem.data(); }
     T* c_mem_data(index_t l) { return layers_[std::size_t(l)].c_mem.data(); }
-    /// Sets the slot counts (contents then written through mem_data / c_mem_data).
+    /// Sets the slot counts (contents then written through mem_data / c_mem_data; pad flags cleared).
     void resize(index_t mem_slots, index_t c_mem_slots) {
         MNEMO_CHECK(batch_ >= 1, "memory: reset(batch) before resize");
         MNEMO_CHECK(mem_slots >= 0 && mem_slots <= mem_len_ && c_mem_slots >= 0 && c_mem_slots <= c_mem_len_,
@@ -108,12 +138,16 @@ public:
             l.mem.resize(std::size_t(mem_slots * batch_ * index_t(D)));
             l.c_mem.resize(std::size_t(c_mem_slots * batch_ * index_t(D)));
         }
+        pad_.assign(std::size_t(mem_slots * batch_), 0);
+        c_pad_.assign(std::size_t(c_mem_slots * batch_), 0);
+        away_pad_.clear();
     }
 
     /// Appends each layer's new inputs (new_inputs(l): [Q·batch, D]) and compresses what overflows with
     /// compress(l, slots_in [n_old·batch, D], slots_out [n_old/c·batch, D]). Returns n_old.
+    /// new_pad: the new rows' pad flags [Q·batch] (nonzero = padding); null: none is padding.
     template <class NewInputs, class Compress>
-    index_t merge(NewInputs&& new_inputs, Compress&& compress) {
+    index_t merge(NewInputs&& new_inputs, Compress&& compress, const std::uint8_t* new_pad = nullptr) {
         MNEMO_CHECK(batch_ >= 1, "memory: reset(batch) must be called before the first segment");
         const index_t q_rows = new_inputs(index_t(0)).rows();
         MNEMO_CHECK(q_rows % batch_ == 0, "memory: ", q_rows, " new rows are not a multiple of the batch ", batch_);
@@ -142,6 +176,25 @@ public:
             }
             drop_front(s.mem, (n_old + n_drop) * row);
         }
+        // Pad flags, shifted as the memory.
+        pad_.resize(std::size_t(len * batch_));
+        std::uint8_t* fresh = pad_.data() + mem_slots_ * batch_;
+        for (index_t r = 0; r < q_rows; ++r) fresh[r] = new_pad && new_pad[r] ? 1 : 0;
+        if (n_old > 0) {
+            away_pad_.assign(pad_.begin(), pad_.begin() + n_old * batch_);
+            c_pad_.resize(std::size_t(c_len * batch_));
+            std::uint8_t* cp = c_pad_.data() + c_mem_slots_ * batch_;
+            for (index_t s = 0; s < n_new_c; ++s)
+                for (index_t b = 0; b < batch_; ++b) {
+                    bool all = true;
+                    for (index_t t = 0; t < rate_; ++t) all = all && pad_[std::size_t((s * rate_ + t) * batch_ + b)] != 0;
+                    cp[s * batch_ + b] = all ? 1 : 0;
+                }
+            c_pad_.erase(c_pad_.begin(), c_pad_.begin() + c_drop * batch_);
+        } else {
+            away_pad_.clear();
+        }
+        pad_.erase(pad_.begin(), pad_.begin() + (n_old + n_drop) * batch_);
         mem_slots_ = len - n_old - n_drop;
         c_mem_slots_ = c_len - c_drop;
         mem_first_id_ += n_old + n_drop;
@@ -174,6 +227,7 @@ private:
     std::uint64_t epoch_ = 0;  // 0: never reset
     std::int64_t mem_first_id_ = 0, c_mem_first_id_ = 0;
     std::vector<layer_state> layers_;
+    std::vector<std::uint8_t> pad_, c_pad_, away_pad_;  // pad flags, [slots·batch]
 };
 
 }  // namespace mnemo

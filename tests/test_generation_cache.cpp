@@ -1,0 +1,106 @@
+// The generation cache of compressive_transformer (cache_memory_projections): with it on, forward
+// reuses the keys and values of memory slots projected by the previous call and projects only the new
+// ones. The logits must equal those of a model without the cache, through compression, memory
+// truncation, segments of varying length, parameter changes (optimizer steps), memory resets and a
+// second memory object.
+#include <doctest/doctest.h>
+
+#include <vector>
+
+#include <mnemo/mnemo.hpp>
+
+#include "testing.hpp"
+
+namespace {
+
+template <class T>
+using model_t = mnemo::compressive_transformer<T, mnemo::config<16, 2, 2>>;
+
+std::vector<mnemo::token_t> tokens(std::uint64_t seed, std::size_t n, mnemo::index_t vocab) {
+    mnemo::rng r(seed);
+    std::vector<mnemo::token_t> t(n);
+    for (auto& x : t) x = mnemo::token_t(r.next_u32() % std::uint32_t(vocab));
+    return t;
+}
+
+template <class T>
+double max_diff(mnemo::view<const T, mnemo::dynamic> a, mnemo::view<const T, mnemo::dynamic> b) {
+    REQUIRE(a.rows() == b.rows());
+    double m = 0;
+    for (mnemo::index_t i = 0; i < a.rows(); ++i)
+        for (mnemo::index_t j = 0; j < a.cols(); ++j) m = std::max(m, std::abs(double(a.row(i)[j]) - double(b.row(i)[j])));
+    return m;
+}
+
+template <class T>
+void run_twins(double tolerance) {
+    const mnemo::index_t vocab = 11, batch = 2;
+    const mnemo::compressive_options o{.vocab = vocab, .n_layers = 3, .d_ff = 24, .n_pos = 64};
+    model_t<T> cached(o), plain(o);
+    cached.reset_parameters(9);
+    plain.reset_parameters(9);
+    cached.cache_memory_projections(true);
+    auto mem_c = cached.make_memory(6, 4), mem_p = plain.make_memory(6, 4);
+    mem_c.reset(batch, 4);
+    mem_p.reset(batch, 4);
+    mnemo::adamw<T> opt_c(cached.parameters().size(), {.lr = 1e-2}), opt_p(plain.parameters().size(), {.lr = 1e-2});
+
+    // Segment lengths: a prime, then tokens one at a time with a few longer segments in between.
+    const std::vector<mnemo::index_t> lengths = {3, 1, 1, 1, 2, 1, 1, 1, 1, 4, 1, 1, 1, 1, 1, 1, 3, 1, 1};
+    std::uint64_t seed = 100;
+    for (int round = 0; round < 3; ++round) {
+        for (mnemo::index_t q : lengths) {
+            const auto t = tokens(seed++, std::size_t(q * batch), vocab);
+            auto lc = cached.forward(t, batch, mem_c);
+            auto lp = plain.forward(t, batch, mem_p);
+            INFO("round " << round << ", segment of " << q << ", memory " << mem_p.mem_slots() << " + "
+                          << mem_p.c_mem_slots() << " compressed");
+            CHECK(max_diff<T>(lc, lp) <= tolerance);
+            cached.update_memory(mem_c);
+            plain.update_memory(mem_p);
+        }
+        REQUIRE(mem_p.c_mem_slots() == 4);  // compression and truncation of the compressed memory happened
+        if (round == 0) {  // a training step changes every parameter: the cache must not be used after it
+            const auto t = tokens(seed++, std::size_t(2 * batch), vocab), y = tokens(seed++, std::size_t(2 * batch), vocab);
+            for (auto* m : {&cached, &plain}) m->parameters().zero_grad();
+            cached.train_segment(t, y, batch, mem_c);
+            plain.train_segment(t, y, batch, mem_p);
+            opt_c.step(cached.parameters());
+            opt_p.step(plain.parameters());
+        } else {  // a fresh memory
+            mem_c.reset(batch, 4);
+            mem_p.reset(batch, 4);
+        }
+    }
+}
+
+}  // namespace
+
+TEST_CASE("generation cache: logits equal the uncached model's (double)") { run_twins<double>(1e-12); }
+TEST_CASE("generation cache: logits equal the uncached model's (float)") { run_twins<float>(2e-5); }
+
+TEST_CASE("generation cache: a parameter written through values() is seen") {
+    const mnemo::index_t vocab = 7;
+    const mnemo::compressive_options o{.vocab = vocab, .n_layers = 2, .d_ff = 8, .n_pos = 32};
+    model_t<double> cached(o), plain(o);
+    cached.reset_parameters(3);
+    plain.reset_parameters(3);
+    cached.cache_memory_projections(true);
+    auto mem_c = cached.make_memory(4, 2), mem_p = plain.make_memory(4, 2);
+    for (int i = 0; i < 6; ++i) {
+        const auto t = tokens(std::uint64_t(i), 1, vocab);
+        cached.forward(t, 1, mem_c);
+        plain.forward(t, 1, mem_p);
+        cached.update_memory(mem_c);
+        plain.update_memory(mem_p);
+    }
+    // Change the key weights of layer 0 in both models.
+    for (auto* m : {&cached, &plain}) {
+        const auto* e = m->parameters().find("transformer.layers.0.self_attn.key.linear.weight");
+        REQUIRE(e);
+        double* v = m->parameters().values() + e->offset;
+        for (mnemo::index_t i = 0; i < e->size; ++i) v[i] *= 1.5;
+    }
+    const auto t = tokens(77, 1, vocab);
+    CHECK(max_diff<double>(cached.forward(t, 1, mem_c), plain.forward(t, 1, mem_p)) <= 1e-12);
+}
