@@ -179,10 +179,13 @@ public:
             gate_attn_->backward(d_mid, dx, dsub);
             da = dsub;
         }
-        self_attn_.backward(z.row_range(lb, qb), z, da, dz.row_range(lb, qb), dz, /*accumulate_dq=*/true);
-        // z = LN([cm, m, x]): parameter gradients from every row, input gradient for the segment only.
-        const norm_stats<T> st{mean_.data(), rstd_.data()};
-        norm_self_attn_.backward(kv_in.row_range(0, lb), dz.row_range(0, lb), view<T, DM, Backend>(), st);
+        // z = LN([cm, m, x]): the memory rows need no input gradient, only the norm's parameter
+        // gradients, which the attention takes from their normalised values ẑ (frozen_key_rows).
+        T* zhat = zhat_.ensure(lb * D);
+        K::layer_norm_normalize(lb, D, kv_in.data(), D, mean_.data(), rstd_.data(), zhat, D);
+        const frozen_key_rows<T> frozen{lb, zhat, D, norm_self_attn_.weight().value(), norm_self_attn_.bias().value(),
+                                        norm_self_attn_.weight().grad(), norm_self_attn_.bias().grad()};
+        self_attn_.backward(z.row_range(lb, qb), z, da, dz.row_range(lb, qb), dz, /*accumulate_dq=*/true, frozen);
         if (!gate_attn_) residual<T, DM, Backend>::backward(view<const T, DM, Backend>(d_mid), dx, view<T, DM, Backend>());
         norm_self_attn_.backward(kv_in.row_range(lb, qb), dz.row_range(lb, qb), dx,
                                  norm_stats<T>{mean_.data() + lb, rstd_.data() + lb}, /*accumulate_dx=*/true);
@@ -268,7 +271,9 @@ private:
         } else {
             residual<T, DM, Backend>::backward(view<const T, DM, Backend>(ds), dx, view<T, DM, Backend>());
         }
-        self_attn_.backward(kv_in.row_range(lb, qb), kv_in, da, dkv.row_range(lb, qb), dkv, /*accumulate_dq=*/true);
+        // The memory rows (raw inputs here) need no input gradient: frozen without a norm.
+        self_attn_.backward(kv_in.row_range(lb, qb), kv_in, da, dkv.row_range(lb, qb), dkv, /*accumulate_dq=*/true,
+                            frozen_key_rows<T>{lb});
         K::add(qb, D, dx.data(), dx.ld(), dkv.row(lb), D, dx.data(), dx.ld());
     }
 
@@ -280,7 +285,7 @@ private:
     std::optional<gate_type> gate_attn_, gate_ff_;  // residual_kind::gru only
     std::optional<decoder_type> decoder_;           // reconstruction_kind::autoencoding, memory layers only
     index_t batch_ = 0, mem_rows_ = 0;
-    buffer<T> kv_in_, z_, mean_, rstd_, attn_out_, x_mid_, z2_, ff_out_, d_mid_, dz2_, dz_, d_sub_;
+    buffer<T> kv_in_, z_, zhat_, mean_, rstd_, attn_out_, x_mid_, z2_, ff_out_, d_mid_, dz2_, dz_, d_sub_;
 };
 
 /// Settings fixed when the model is built (the compile-time ones are in Config). Every variant is

@@ -103,11 +103,45 @@ struct gemm {
                                                        1>::run(m, n, k, a, lda, b, ldb, c, 1, ldc, alpha, bl, nullptr);
     }
 
+    /// Rows of C up to which a product is a few matrix-vector products instead of a GEMM: packing B
+    /// (a weight matrix, typically) for one row of A costs more than the product itself, which is
+    /// what one-token generation does in every layer.
+    static constexpr index_t gemv_max_rows = 2;
+
+    template <class T>
+    using vector_map = Eigen::Map<Eigen::Matrix<T, Eigen::Dynamic, 1>, Eigen::Unaligned, Eigen::InnerStride<>>;
+    template <class T>
+    using const_vector_map = Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>, Eigen::Unaligned, Eigen::InnerStride<>>;
+    template <class T>
+    using const_row_major = Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>,
+                                       Eigen::Unaligned, Eigen::OuterStride<>>;
+
+    /// c[n] (stride 1) = beta·c + alpha·M·x, with M [n, k] row-major (Transposed: M = Bᵀ, B [k, n]).
+    template <bool Transposed, class T>
+    static void gemv(index_t n, index_t k, const T* b, index_t ldb, const T* x, index_t incx, T* c, T beta, T alpha) {
+        vector_map<T> cv(c, n, Eigen::InnerStride<>(1));
+        if (beta == T(0)) cv.setZero();
+        else if (beta != T(1)) cv *= beta;
+        if (k == 0) return;
+        const_vector_map<T> xv(x, k, Eigen::InnerStride<>(incx));
+        if constexpr (Transposed) {
+            const_row_major<T> bm(b, k, n, Eigen::OuterStride<>(ldb));
+            cv.noalias() += alpha * (bm.transpose() * xv);
+        } else {
+            const_row_major<T> bm(b, n, k, Eigen::OuterStride<>(ldb));
+            cv.noalias() += alpha * (bm * xv);
+        }
+    }
+
     /// C[M,N] = beta·C + alpha·A[M,K]·B[K,N]
     template <class T>
     static void gemm_nn(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
                         index_t ldc, T beta = T(0), T alpha = T(1)) {
         if (m == 0 || n == 0) return;
+        if (m <= gemv_max_rows) {
+            for (index_t i = 0; i < m; ++i) gemv<true>(n, k, b, ldb, a + i * lda, 1, c + i * ldc, beta, alpha);
+            return;
+        }
         split(m, n, k, [&](index_t m0, index_t m1, index_t n0, index_t n1) {
             product<Eigen::RowMajor, Eigen::RowMajor>(m1 - m0, n1 - n0, k, a + m0 * lda, lda, b + n0, ldb,
                                                       c + m0 * ldc + n0, ldc, beta, alpha);
@@ -119,6 +153,10 @@ struct gemm {
     static void gemm_nt(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
                         index_t ldc, T beta = T(0), T alpha = T(1)) {
         if (m == 0 || n == 0) return;
+        if (m <= gemv_max_rows) {
+            for (index_t i = 0; i < m; ++i) gemv<false>(n, k, b, ldb, a + i * lda, 1, c + i * ldc, beta, alpha);
+            return;
+        }
         split(m, n, k, [&](index_t m0, index_t m1, index_t n0, index_t n1) {
             product<Eigen::RowMajor, Eigen::ColMajor>(m1 - m0, n1 - n0, k, a + m0 * lda, lda, b + n0 * ldb, ldb,
                                                       c + m0 * ldc + n0, ldc, beta, alpha);
@@ -130,6 +168,10 @@ struct gemm {
     static void gemm_tn(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
                         index_t ldc, T beta = T(0), T alpha = T(1)) {
         if (m == 0 || n == 0) return;
+        if (m <= gemv_max_rows) {  // row i of C is Bᵀ·(column i of A)
+            for (index_t i = 0; i < m; ++i) gemv<true>(n, k, b, ldb, a + i, lda, c + i * ldc, beta, alpha);
+            return;
+        }
         split(m, n, k, [&](index_t m0, index_t m1, index_t n0, index_t n1) {
             product<Eigen::ColMajor, Eigen::RowMajor>(m1 - m0, n1 - n0, k, a + m0, lda, b + n0, ldb,
                                                       c + m0 * ldc + n0, ldc, beta, alpha);

@@ -15,6 +15,20 @@
 namespace mnemo::cpu_kernels {
 
 struct layer_norm {
+    /// ẑ[rows, d] = (x − mean)·rstd with the statistics a forward saved (the normalised input before
+    /// the affine scale and shift), as that forward computes it.
+    template <class T>
+    static void layer_norm_normalize(index_t rows, index_t d, const T* x, index_t ldx, const T* mean, const T* rstd,
+                                     T* z, index_t ldz) {
+        parallel_range(rows, rows * d >= 16384, [&](index_t i_begin, index_t i_end) {
+            for (index_t i = i_begin; i < i_end; ++i) {
+                const T *xi = x + i * ldx, mu = mean[i], r = rstd[i];
+                T* zi = z + i * ldz;
+                for (index_t j = 0; j < d; ++j) zi[j] = (xi[j] - mu) * r;
+            }
+        });
+    }
+
     /// y[rows, d] = LN(x); mean[rows] and rstd[rows] are saved for backward. w or b may be null
     /// (no affine scale / shift).
     template <class T>
