@@ -228,6 +228,12 @@ protected:
         });
     }
 
+    /// The whole update of a cold block with zero gradient: p ← p·(1 − lr·wd), as the full loop computes it.
+    static void decay_only(T* params, index_t i_begin, index_t i_end, T decay) {
+        if (decay != T(1))
+            for (index_t i = i_begin; i < i_end; ++i) params[i] = detail::optim::product(params[i], decay);
+    }
+
     static constexpr index_t cold_block = 1024;
     index_t n_;
     std::int64_t step_ = 0;
@@ -283,10 +289,7 @@ public:
             const T denom = std::sqrt(vi) / bias_correction2_sqrt + eps;
             params[i] = p + (neg_step_size * mi) / denom;  // param.addcdiv_(m, denom, -step_size)
         }
-        }, [&](index_t i_begin, index_t i_end) {
-            if (decay != T(1))
-                for (index_t i = i_begin; i < i_end; ++i) params[i] = detail::optim::product(params[i], decay);
-        });
+        }, [&](index_t i_begin, index_t i_end) { this->decay_only(params, i_begin, i_end, decay); });
     }
 
 private:
@@ -487,10 +490,7 @@ public:
             const T denom = std::sqrt(vi) + eps;  // v.sqrt().add_(eps)
             params[i] = p + (neg_step_size * mi) / denom;
         }
-        }, [&](index_t i_begin, index_t i_end) {
-            if (decay != T(1))
-                for (index_t i = i_begin; i < i_end; ++i) params[i] = detail::optim::product(params[i], decay);
-        });
+        }, [&](index_t i_begin, index_t i_end) { this->decay_only(params, i_begin, i_end, decay); });
     }
 
 private:
