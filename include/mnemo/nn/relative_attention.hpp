@@ -167,7 +167,7 @@ public:
         const index_t ld = batch_ * D, ldkv = batch_ * 2 * D;  // row strides of one batch element's sequence
         const index_t mem = k_len_ - q_len_;
         const std::uint8_t* keep = key_pad_ ? build_keep() : nullptr;
-        parallel_range(batch_ * H, true, [&](index_t bh_begin, index_t bh_end) {
+        parallel_range(batch_ * H, worth_threads(), [&](index_t bh_begin, index_t bh_end) {
             for (index_t bh = bh_begin; bh < bh_end; ++bh) {
                 const index_t b = bh / H, h = bh % H;
                 T* a = attn + (b * H + h) * q_len_ * k_len_;  // [Q, K]
@@ -222,7 +222,7 @@ public:
         const T scale = T(1) / std::sqrt(T(d_head));
         const index_t ld = batch_ * D, ldkv = batch_ * 2 * D;
         const index_t mem = k_len_ - q_len_;
-        parallel_range(batch_ * H, true, [&](index_t bh_begin, index_t bh_end) {
+        parallel_range(batch_ * H, worth_threads(), [&](index_t bh_begin, index_t bh_end) {
             for (index_t bh = bh_begin; bh < bh_end; ++bh) {
                 const index_t b = bh / H, h = bh % H;
                 const T* a = attn + (b * H + h) * q_len_ * k_len_;
@@ -311,6 +311,11 @@ private:
                     "; raise n_pos or shorten the memory");
     }
     index_t window() const { return k_len_ + q_len_; }
+
+    /// The per-(batch, head) loops go to threads when they hold enough work: about 64K multiply-adds
+    /// of scores (one generated token over a short memory stays on the calling thread, where an
+    /// OpenMP fork and join would cost more than the loop).
+    bool worth_threads() const { return batch_ * H * q_len_ * k_len_ * Dk >= (index_t(1) << 16); }
     /// Keys j < clamped(i) of query i are farther than clamp_len (0 when clamping is off).
     index_t clamped(index_t i) const {
         if (clamp_len_ <= 0) return 0;
