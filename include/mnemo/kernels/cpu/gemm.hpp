@@ -88,14 +88,20 @@ struct gemm {
         return b;
     }
 
+    /// C ← beta·C before a product adds into it (beta = 0 overwrites, whatever C held).
+    template <class Dst, class T>
+    static void apply_beta(Dst& c, T beta) {
+        if (beta == T(0)) c.setZero();
+        else if (beta != T(1)) c *= beta;
+    }
+
     /// C [m, n] (row-major, stride ldc) = beta·C + alpha·op(A)·op(B); A is row-major [m, k] (LhsOrder =
     /// RowMajor) or [k, m] read transposed (ColMajor view), likewise B.
     template <int LhsOrder, int RhsOrder, class T>
     static void product(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
                         index_t ldc, T beta, T alpha) {
         matrix_map<T> cm(c, m, n, Eigen::OuterStride<>(ldc));
-        if (beta == T(0)) cm.setZero();
-        else if (beta != T(1)) cm *= beta;
+        apply_beta(cm, beta);
         if (k == 0) return;
         auto& bl = thread_blocking<T>();
         bl.prepare(m, n, k);
@@ -120,8 +126,7 @@ struct gemm {
     template <bool Transposed, class T>
     static void gemv(index_t n, index_t k, const T* b, index_t ldb, const T* x, index_t incx, T* c, T beta, T alpha) {
         vector_map<T> cv(c, n, Eigen::InnerStride<>(1));
-        if (beta == T(0)) cv.setZero();
-        else if (beta != T(1)) cv *= beta;
+        apply_beta(cv, beta);
         if (k == 0) return;
         const_vector_map<T> xv(x, k, Eigen::InnerStride<>(incx));
         if constexpr (Transposed) {
