@@ -513,3 +513,45 @@ TEST_CASE("compressive_transformer<most_used_compression>: the usage travels wit
         }
     }.template operator()<tiny>();
 }
+
+// memory_attention: the absorbed route (folding W_k, W_v into the queries and the context) and the
+// projected one give the same losses, gradients and memory over several training segments that fill
+// and compress the memory, with pre-LN and post-LN and a GRU gate; and the generation cache keeps the
+// projections (it needs them), whatever the mode.
+TEST_CASE("compressive_transformer: absorbed and projected memory attention train identically") {
+    for (auto norm : {mnemo::norm_kind::pre, mnemo::norm_kind::post}) {
+        INFO("post-LN " << (norm == mnemo::norm_kind::post));
+        auto o = tiny_options(2);
+        o.norm = norm;
+        o.residual = mnemo::residual_kind::gru;
+        model_t proj(o), abs(o);
+        randomize_model(proj.parameters(), 71);
+        copy_by_name(proj.parameters(), abs.parameters());
+        proj.set_memory_attention(mnemo::memory_attention::projected);
+        abs.set_memory_attention(mnemo::memory_attention::absorbed);
+        const index_t batch = 2, q = 3;
+        auto mp = proj.make_memory(4, 3), ma = abs.make_memory(4, 3);
+        mp.reset(batch, q);
+        ma.reset(batch, q);
+        for (int s = 0; s < 6; ++s) {
+            auto t = random_tokens(q * batch, proj.vocab(), 300 + std::uint64_t(s));
+            auto y = random_tokens(q * batch, proj.vocab(), 400 + std::uint64_t(s));
+            proj.parameters().zero_grad();
+            abs.parameters().zero_grad();
+            const auto lp = proj.train_segment(t, y, batch, mp);
+            const auto la = abs.train_segment(t, y, batch, ma);
+            INFO("segment " << s);
+            CHECK(la.ce == doctest::Approx(lp.ce).epsilon(1e-12));
+            CHECK(la.ar == doctest::Approx(lp.ar).epsilon(1e-10));
+            check_close("gradients", abs.parameters().grads(), proj.parameters().grads(), proj.parameters().size(),
+                        1e-11, 1e-9);
+        }
+        // The first layer attends over memory from the second segment on: the route was taken.
+        CHECK(abs.layer(0).self_attn().last_forward_absorbed());
+        CHECK_FALSE(proj.layer(0).self_attn().last_forward_absorbed());
+        abs.cache_memory_projections(true);
+        auto t = random_tokens(q * batch, abs.vocab(), 999);
+        abs.forward(t, batch, ma);
+        CHECK_FALSE(abs.layer(0).self_attn().last_forward_absorbed());
+    }
+}

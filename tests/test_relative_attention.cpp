@@ -74,13 +74,17 @@ std::vector<double> naive(mnemo::parameter_set<double>& ps, const std::string& n
 
 }  // namespace
 
+constexpr mnemo::memory_attention modes[] = {mnemo::memory_attention::projected, mnemo::memory_attention::absorbed};
+
 TEST_CASE("relative_attention: forward matches the defining formula, with and without memory") {
+    for (auto mode : modes)
     for (index_t mem : {0, 1, 4}) {
         for (index_t B : {1, 3}) {
             const index_t Q = 3, Kn = mem + Q, P = 8;
             mnemo::parameter_set<double> ps;
             mnemo::relative_attention<double, cfg> attn(ps, "self_attn", P);
             ps.allocate();
+            attn.set_memory_attention(mode);
             randomize_parameters(ps, 10 + mem + B, -0.8, 0.8);
             auto zkv = random_vector<double>(Kn * B * D, 20 + mem);
             std::vector<double> zq(zkv.end() - Q * B * D, zkv.end());  // queries: the segment's rows
@@ -88,7 +92,8 @@ TEST_CASE("relative_attention: forward matches the defining formula, with and wi
             attn.forward(view<const double, D>(zq.data(), Q * B), view<const double, D>(zkv.data(), Kn * B), B,
                          view<double, D>(out.data(), Q * B));
             auto ref = naive(ps, "self_attn", zq, zkv, Q, Kn, B, P);
-            INFO("mem=" << mem << " batch=" << B);
+            INFO("mem=" << mem << " batch=" << B << " absorbed=" << (mode == mnemo::memory_attention::absorbed));
+            CHECK(attn.last_forward_absorbed() == (mem > 0 && mode == mnemo::memory_attention::absorbed));
             check_close("relative_attention out", out, ref, 1e-13, 1e-12);
         }
     }
@@ -110,10 +115,13 @@ TEST_CASE("relative_attention: state_dict names and shapes are the reference's")
 }
 
 TEST_CASE("relative_attention: backward matches finite differences") {
+  for (auto mode : modes) {
+    INFO("absorbed=" << (mode == mnemo::memory_attention::absorbed));
     const index_t Q = 3, mem = 2, Kn = mem + Q, B = 2, P = 6;
     mnemo::parameter_set<double> ps;
     mnemo::relative_attention<double, cfg> attn(ps, "self_attn", P);
     ps.allocate();
+    attn.set_memory_attention(mode);
     randomize_parameters(ps, 31, -0.8, 0.8);
     auto zq = random_vector<double>(Q * B * D, 32);
     auto zkv = random_vector<double>(Kn * B * D, 33);
@@ -142,6 +150,66 @@ TEST_CASE("relative_attention: backward matches finite differences") {
             if (row < P - Kn + 1 || row > P) CHECK(g == 0.0);
             else CHECK(g != 0.0);
         }
+  }
+}
+
+// The absorbed route against the projected one (which the tests above tie to the formula and to
+// finite differences), with key padding, clamp_len, frozen memory rows that are a layer norm's output
+// (the norm's parameter gradients from ẑ), frozen raw rows, and some memory rows not frozen.
+TEST_CASE("relative_attention: absorbed memory equals projected memory, forward and backward") {
+    const index_t Q = 3, mem = 5, Kn = mem + Q, B = 3, P = 10;
+    struct run {
+        std::vector<double> out, dzq, dzkv, grads, dgamma, dbeta;
+    };
+    for (int variant = 0; variant < 4; ++variant) {
+        INFO("variant " << variant);
+        auto go = [&](mnemo::memory_attention mode) {
+            mnemo::parameter_set<double> ps;
+            mnemo::relative_attention<double, cfg> attn(ps, "self_attn", P);
+            ps.allocate();
+            attn.set_memory_attention(mode);
+            randomize_parameters(ps, 41, -0.8, 0.8);
+            auto zkv = random_vector<double>(Kn * B * D, 42);
+            std::vector<double> zq(zkv.end() - Q * B * D, zkv.end());
+            auto zhat = random_vector<double>(mem * B * D, 43);
+            auto gamma = random_vector<double>(D, 44), beta = random_vector<double>(D, 45);
+            for (index_t r = 0; r < mem * B; ++r)  // the memory rows are the norm's output ẑ∘γ + β
+                for (index_t i = 0; i < D; ++i) zkv[r * D + i] = zhat[r * D + i] * gamma[i] + beta[i];
+            auto r = random_vector<double>(Q * B * D, 46);
+            std::vector<std::uint8_t> pad(std::size_t(Kn * B), 0);
+            if (variant == 1) {
+                pad[0 * B + 1] = pad[3 * B + 1] = pad[2 * B + 2] = 1;  // some memory keys of elements 1, 2
+                attn.set_key_padding(pad.data());
+            }
+            if (variant == 2) attn.set_clamp_len(3);
+            run out;
+            out.out.resize(Q * B * D);
+            out.dzq.resize(Q * B * D);
+            out.dzkv.assign(Kn * B * D, -7.0);  // frozen rows must stay untouched
+            out.dgamma.assign(D, 0.5);
+            out.dbeta.assign(D, -0.25);
+            attn.forward(view<const double, D>(zq.data(), Q * B), view<const double, D>(zkv.data(), Kn * B), B,
+                         view<double, D>(out.out.data(), Q * B));
+            CHECK(attn.last_forward_absorbed() == (mode == mnemo::memory_attention::absorbed));
+            ps.zero_grad();
+            mnemo::frozen_key_rows<double> frozen;
+            if (variant == 0 || variant == 1)
+                frozen = {mem * B, zhat.data(), D, gamma.data(), beta.data(), out.dgamma.data(), out.dbeta.data()};
+            if (variant == 2) frozen = {2 * B};  // raw rows, the first two positions only
+            attn.backward(view<const double, D>(zq.data(), Q * B), view<const double, D>(zkv.data(), Kn * B),
+                          view<const double, D>(r.data(), Q * B), view<double, D>(out.dzq.data(), Q * B),
+                          view<double, D>(out.dzkv.data(), Kn * B), false, frozen);
+            out.grads.assign(ps.grads(), ps.grads() + ps.size());
+            return out;
+        };
+        const run p = go(mnemo::memory_attention::projected), a = go(mnemo::memory_attention::absorbed);
+        check_close("out", a.out, p.out, 1e-13, 1e-12);
+        check_close("d z_q", a.dzq, p.dzq, 1e-12, 1e-12);
+        check_close("d z_kv", a.dzkv, p.dzkv, 1e-12, 1e-12);
+        check_close("parameter gradients", a.grads, p.grads, 1e-12, 1e-12);
+        check_close("d gamma", a.dgamma, p.dgamma, 1e-12, 1e-12);
+        check_close("d beta", a.dbeta, p.dbeta, 1e-12, 1e-12);
+    }
 }
 
 TEST_CASE("relative_attention: more keys than relative positions is a clear error") {

@@ -6,8 +6,21 @@
 //
 // Each tensor starts on a 64-byte boundary; the gaps are zero in every buffer and stay zero under
 // every optimizer (their gradient is zero), so whole-buffer loops need no special cases.
+//
+// Row-sparse gradients. A tensor declared with grad_sparsity::rows (the relative-position tables
+// [2P, heads, d_k], of which a step reaches only the rows of its window) promises that its gradient is
+// written only in rows (slices along the first dimension) that its writer records with
+// param::touch_grad_rows(lo, hi); the set keeps, per such tensor, the hull of the rows recorded since
+// the last zero_grad(). Invariant: outside what grad_live_ranges() reports, every gradient element is
+// exactly +0. zero_grad() then clears only the live ranges, and clip_grad_norm and the optimizers skip
+// the rest (with bitwise the results of the dense loops). Every way of reaching the gradient that does
+// not name rows keeps the invariant by giving up the saving instead: param::grad() and grad_ptr() count
+// the whole tensor as touched, the mutable grads() the whole buffer, until the next zero_grad(). So code
+// that fills gradients by hand (tests, finite differences, loading) stays correct, only slower.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -22,11 +35,27 @@ namespace mnemo {
 template <class T>
 class parameter_set;
 
+/// How a tensor's gradient is written. dense: anywhere, by anyone. rows: only in rows (slices along
+/// the first dimension) recorded with param::touch_grad_rows() since the last zero_grad().
+enum class grad_sparsity : std::uint8_t { dense, rows };
+
 struct tensor_entry {
     std::string name;
     std::vector<index_t> shape;
     index_t offset = 0;  // in elements, into the flat buffers
     index_t size = 0;    // product of shape
+    grad_sparsity sparsity = grad_sparsity::dense;
+    /// Elements per row (per index of the first dimension).
+    index_t row_size() const { return shape.empty() ? size : size / shape.front(); }
+    /// Number of rows (the first extent).
+    index_t rows() const { return shape.empty() ? 1 : shape.front(); }
+};
+
+/// A run [begin, end) of the flat buffers, in elements.
+struct flat_range {
+    index_t begin = 0;
+    index_t end = 0;
+    friend bool operator==(const flat_range&, const flat_range&) = default;
 };
 
 template <class T>
@@ -36,7 +65,16 @@ public:
     param(parameter_set<T>* set, index_t index) : set_(set), index_(index) {}
 
     T* value() const { return set_->value_ptr(index_); }
+    /// The tensor's whole gradient. For a grad_sparsity::rows tensor this counts every row as touched
+    /// until the next zero_grad() (whoever holds the pointer may write anywhere); its writer uses
+    /// touch_grad_rows() instead.
     T* grad() const { return set_->grad_ptr(index_); }
+    /// Records that rows [lo, hi) of the gradient may be written (the recorded interval grows to the
+    /// hull of every call since the last zero_grad()) and returns the gradient of row lo. No allocation;
+    /// not thread-safe (call it from serial code). On a dense tensor it only returns the pointer.
+    T* touch_grad_rows(index_t lo, index_t hi) const { return set_->touch_grad_rows(index_, lo, hi); }
+    /// The rows [lo, hi) whose gradient may be non-zero now: all of them for a dense tensor.
+    std::pair<index_t, index_t> touched_grad_rows() const { return set_->touched_grad_rows(index_); }
     index_t size() const { return set_->entries()[static_cast<std::size_t>(index_)].size; }
     const tensor_entry& entry() const { return set_->entries()[static_cast<std::size_t>(index_)]; }
     explicit operator bool() const { return set_ != nullptr; }
@@ -55,8 +93,9 @@ public:
     parameter_set(const parameter_set&) = delete;  // modules hold pointers to this set
     parameter_set& operator=(const parameter_set&) = delete;
 
-    /// Declares a tensor `name` of `shape`. Only before allocate(); names must be unique.
-    param<T> declare(std::string name, std::vector<index_t> shape) {
+    /// Declares a tensor `name` of `shape`. Only before allocate(); names must be unique. With
+    /// grad_sparsity::rows its gradient may be written only in rows recorded with touch_grad_rows().
+    param<T> declare(std::string name, std::vector<index_t> shape, grad_sparsity sparsity = grad_sparsity::dense) {
         MNEMO_CHECK(!allocated_, "parameter_set: cannot declare '", name, "' after allocate()");
         MNEMO_CHECK(!index_.contains(name), "parameter_set: tensor '", name, "' declared twice");
         index_t size = 1;
@@ -64,7 +103,9 @@ public:
             MNEMO_CHECK(d > 0, "parameter_set: tensor '", name, "' has a non-positive extent ", d);
             size *= d;
         }
-        tensor_entry e{std::move(name), std::move(shape), total_, size};
+        MNEMO_CHECK(sparsity == grad_sparsity::dense || !shape.empty(), "parameter_set: tensor '", name,
+                    "' is a scalar and cannot have row-sparse gradients");
+        tensor_entry e{std::move(name), std::move(shape), total_, size, sparsity};
         total_ += (size + alignment_elems - 1) / alignment_elems * alignment_elems;
         index_.emplace(e.name, static_cast<index_t>(entries_.size()));
         entries_.push_back(std::move(e));
@@ -76,6 +117,12 @@ public:
         MNEMO_CHECK(!allocated_, "parameter_set: allocate() called twice");
         values_.assign(static_cast<std::size_t>(total_), T(0));
         grads_.assign(static_cast<std::size_t>(total_), T(0));
+        touched_.assign(entries_.size(), row_interval{});
+        for (std::size_t i = 0; i < entries_.size(); ++i)
+            if (entries_[i].sparsity == grad_sparsity::dense) touched_[i] = {0, entries_[i].rows()};
+        live_.reserve(entries_.size() + 1);  // never more runs than tensors: no allocation later
+        all_touched_ = false;
+        live_dirty_ = true;
         allocated_ = true;
     }
 
@@ -97,12 +144,82 @@ public:
         return checked(values_).data();
     }
     const T* values() const { return checked(values_).data(); }
-    T* grads() { return checked(grads_).data(); }
+    /// The whole gradient buffer, writable: every gradient counts as touched until the next zero_grad()
+    /// (clipping and the optimizers then read all of it, and zero_grad() clears all of it).
+    T* grads() {
+        T* g = checked(grads_).data();
+        touch_all_grads();
+        return g;
+    }
     const T* grads() const { return checked(grads_).data(); }
+    /// The gradient buffer for in-place transforms that map +0 to +0 and never write outside
+    /// grad_live_ranges() (clip_grad_norm's scaling by a finite factor): unlike grads() it keeps the
+    /// record of touched rows.
+    T* grads_preserving_zeros() { return checked(grads_).data(); }
+    /// Counts every gradient as touched until the next zero_grad(), as grads() does.
+    void touch_all_grads() {
+        if (!all_touched_) {
+            all_touched_ = true;
+            live_dirty_ = true;
+        }
+    }
     /// Counter of changes to the values (see values()); equal counters mean unchanged parameters.
     std::uint64_t version() const { return version_; }
     void mark_changed() { ++version_; }
-    void zero_grad() { std::memset(grads(), 0, sizeof(T) * static_cast<std::size_t>(total_)); }
+    /// Sets every gradient to +0: clears the live ranges (everything else is +0 already) and empties the
+    /// touched rows of the row-sparse tensors.
+    void zero_grad() {
+        T* g = checked(grads_).data();
+        if (all_touched_) {
+            std::memset(g, 0, sizeof(T) * static_cast<std::size_t>(total_));
+        } else {
+            for (const flat_range& r : grad_live_ranges())
+                std::memset(g + r.begin, 0, sizeof(T) * static_cast<std::size_t>(r.end - r.begin));
+        }
+        for (std::size_t i = 0; i < entries_.size(); ++i)
+            if (entries_[i].sparsity != grad_sparsity::dense) touched_[i] = {};
+        all_touched_ = false;
+        live_dirty_ = true;
+    }
+
+    /// The runs of the flat gradient buffer that may hold non-zero values: sorted, disjoint and not
+    /// adjacent; every gradient element outside them is exactly +0. Dense tensors are live whole
+    /// (with the gap that follows them), row-sparse ones over their touched rows. Valid until the next
+    /// change to the touched rows (touch_grad_rows, grad(), grads(), zero_grad()); computed on demand
+    /// into storage reserved by allocate(), so it does not allocate. Not thread-safe.
+    std::span<const flat_range> grad_live_ranges() const {
+        MNEMO_CHECK(allocated_, "parameter_set: allocate() must be called before parameters are used");
+        if (live_dirty_) rebuild_live();
+        return {live_.data(), live_.size()};
+    }
+    /// Whether every gradient in [begin, end) is known to be +0 (no live range meets it).
+    bool grad_known_zero(index_t begin, index_t end) const {
+        const auto live = grad_live_ranges();
+        const auto it = std::partition_point(live.begin(), live.end(), [&](const flat_range& r) { return r.end <= begin; });
+        return it == live.end() || it->begin >= end;
+    }
+
+    /// See param::touch_grad_rows(): records rows [lo, hi) of tensor i and returns the gradient of row lo.
+    T* touch_grad_rows(index_t i, index_t lo, index_t hi) {
+        T* g = checked(grads_).data();
+        const tensor_entry& e = entries_[static_cast<std::size_t>(i)];
+        MNEMO_CHECK(0 <= lo && lo <= hi && hi <= e.rows(), "parameter_set: touch_grad_rows(", lo, ", ", hi,
+                    ") on tensor '", e.name, "' outside its ", e.rows(), " rows");
+        row_interval& t = touched_[static_cast<std::size_t>(i)];
+        if (lo < hi && (lo < t.lo || hi > t.hi)) {
+            t = t.lo < t.hi ? row_interval{std::min(t.lo, lo), std::max(t.hi, hi)} : row_interval{lo, hi};
+            live_dirty_ = true;
+        }
+        return g + e.offset + lo * e.row_size();
+    }
+    /// The rows [lo, hi) of tensor i whose gradient may be non-zero (lo == hi: none).
+    std::pair<index_t, index_t> touched_grad_rows(index_t i) const {
+        MNEMO_CHECK(allocated_, "parameter_set: allocate() must be called before parameters are used");
+        const tensor_entry& e = entries_[static_cast<std::size_t>(i)];
+        if (all_touched_) return {0, e.rows()};
+        const row_interval t = touched_[static_cast<std::size_t>(i)];
+        return {t.lo, t.hi};
+    }
 
     const std::vector<tensor_entry>& entries() const { return entries_; }
     /// The entry named `name`, or nullptr.
@@ -112,7 +229,12 @@ public:
     }
 
     T* value_ptr(index_t i) { return checked(values_).data() + entries_[static_cast<std::size_t>(i)].offset; }
-    T* grad_ptr(index_t i) { return grads() + entries_[static_cast<std::size_t>(i)].offset; }
+    /// Tensor i's whole gradient; a row-sparse tensor counts as touched in every row (see param::grad()).
+    T* grad_ptr(index_t i) {
+        const tensor_entry& e = entries_[static_cast<std::size_t>(i)];
+        if (e.sparsity == grad_sparsity::dense) return checked(grads_).data() + e.offset;
+        return touch_grad_rows(i, 0, e.rows());
+    }
 
 private:
     template <class V>
@@ -126,6 +248,30 @@ private:
         return v;
     }
 
+    struct row_interval {
+        index_t lo = 0, hi = 0;  // [lo, hi) in rows; empty when lo == hi
+    };
+
+    // The live runs from the touched rows: each tensor's touched part, a whole tensor's part running on
+    // over its trailing gap, merged with its neighbours where they meet.
+    void rebuild_live() const {
+        live_.clear();
+        if (all_touched_) {
+            if (total_ > 0) live_.push_back({0, total_});
+        } else {
+            for (std::size_t i = 0; i < entries_.size(); ++i) {
+                const tensor_entry& e = entries_[i];
+                const row_interval t = touched_[i];
+                if (t.lo >= t.hi) continue;
+                const index_t padded = e.offset + (e.size + alignment_elems - 1) / alignment_elems * alignment_elems;
+                const flat_range r{e.offset + t.lo * e.row_size(), t.hi == e.rows() ? padded : e.offset + t.hi * e.row_size()};
+                if (!live_.empty() && live_.back().end == r.begin) live_.back().end = r.end;
+                else live_.push_back(r);
+            }
+        }
+        live_dirty_ = false;
+    }
+
     std::vector<tensor_entry> entries_;
     std::unordered_map<std::string, index_t> index_;
     index_t total_ = 0;
@@ -133,6 +279,10 @@ private:
     std::uint64_t version_ = 0;
     aligned_vector<T> values_;
     aligned_vector<T> grads_;
+    std::vector<row_interval> touched_;  // per tensor: the rows whose gradient may be non-zero
+    bool all_touched_ = false;           // grads() handed out: the whole buffer may be non-zero
+    mutable std::vector<flat_range> live_;  // grad_live_ranges(), rebuilt when live_dirty_
+    mutable bool live_dirty_ = true;
 };
 
 }  // namespace mnemo

@@ -197,6 +197,9 @@ public:
     void set_key_padding(const std::uint8_t* pad) { self_attn_.set_key_padding(pad); }
     /// relative_attention::set_clamp_len (<= 0: off).
     void set_clamp_len(index_t clamp_len) { self_attn_.set_clamp_len(clamp_len); }
+    /// relative_attention::set_memory_attention and keep_projections.
+    void set_memory_attention(memory_attention mode) { self_attn_.set_memory_attention(mode); }
+    void keep_projections(bool on) { self_attn_.keep_projections(on); }
     const compressive_layer_options& options() const { return options_; }
     compression_type& compress() {
         MNEMO_CHECK(compress_.has_value(), "compressive_layer: this layer keeps no memory and has no compression function");
@@ -405,6 +408,12 @@ public:
     void cache_memory_projections(bool on) {
         cache_projections_ = on;
         last_.valid = false;
+        for (auto& l : layers_) l.keep_projections(on);  // the cache reuses projected memory keys
+    }
+    /// How every layer's attention computes the memory's share (relative_attention's memory_attention;
+    /// automatic by default). Both routes compute the same function up to float rounding.
+    void set_memory_attention(memory_attention mode) {
+        for (auto& l : layers_) l.set_memory_attention(mode);
     }
     bool caches_memory_projections() const { return cache_projections_; }
 

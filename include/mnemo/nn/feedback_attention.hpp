@@ -86,8 +86,10 @@ public:
         : name_(name), n_pos_(n_pos), query_(ps, name + ".query.linear", false), output_(ps, name + ".output", true) {
         MNEMO_CHECK(n_pos >= 1, "feedback_attention '", name, "': n_pos (the number of relative positions P) must be "
                     "at least 1, got ", n_pos);
-        r_ = ps.declare(name + ".key_pos_embeddings", {n_pos, H, Dk});
-        s_ = ps.declare(name + ".key_pos_bias", {n_pos, H});
+        // Rows [P − t, P) get gradient at step t; the rest is skipped by zero_grad, clipping and the
+        // optimizers (grad_sparsity::rows, recorded by touch_grad_rows in backward).
+        r_ = ps.declare(name + ".key_pos_embeddings", {n_pos, H, Dk}, grad_sparsity::rows);
+        s_ = ps.declare(name + ".key_pos_bias", {n_pos, H}, grad_sparsity::rows);
         u_ = ps.declare(name + ".query_pos_bias", {H, Dk});
     }
 
@@ -181,8 +183,8 @@ public:
             }
         });
         // Tables, per head: dR[P − t + j] += Σ_b ds[b, h, j]·q[b],  dS[P − t + j] += Σ_b ds[b, h, j].
-        T* dr_win = r_.grad() + (n_pos_ - t) * D;
-        T* ds_win = s_.grad() + (n_pos_ - t) * H;
+        T* dr_win = r_.touch_grad_rows(n_pos_ - t, n_pos_);
+        T* ds_win = s_.touch_grad_rows(n_pos_ - t, n_pos_);
         for (index_t h = 0; h < H; ++h) {
             K::gemm_tn(t, Dk, batch, d_scores + h * t, H * t, q.data() + h * Dk, D, dr_win + h * Dk, D, T(1));
             for (index_t b = 0; b < batch; ++b) {

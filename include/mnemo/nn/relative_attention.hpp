@@ -40,6 +40,17 @@
 // live side by side in one [K·B, 2D] buffer. Backward likewise makes dW_k, dW_v and d_zkv one GEMM each.
 // The per-(batch, head) products are spread over threads; the large projections split their rows.
 //
+// Absorbed memory (memory_attention, chosen per call): the memory's keys and values need no input
+// gradient in training (a detached memory), and with a short segment over a long memory projecting
+// them dominates the cost (the reference experiment: 8 queries, 144 memory rows, d_model 128: about
+// 4·M·D² multiply-adds per batch element for the projections and their gradients). Folding W_k into
+// the queries and W_v into the context instead, per head h,
+//   (q+u)_h·k_jᵀ = ((q+u)_h·W_k,h)·ẑ_jᵀ        Σ_j a_j·v_j,h = (Σ_j a_j·ẑ_j)·W_v,hᵀ + (Σ_j a_j)·b_v,h
+// costs about 6·Q·D·(H·M + D) for forward and backward, including d ẑ of the memory rows (for the
+// layer norm's parameter gradients, or as d z_kv when the rows are not frozen). The segment's own
+// keys and values are projected as usual. The route is taken when it needs under half the
+// multiply-adds, never with kv_reuse or keep_projections (the generation cache needs the projections).
+//
 // Backward (hand-written; the contract of nn/module.hpp): every parameter gradient +=, d_zq and d_zkv
 // assigned (d_zq may be asked to accumulate, for callers whose queries are rows of z_kv).
 #include <algorithm>
@@ -93,6 +104,15 @@ struct frozen_key_rows {
     T* dbeta = nullptr;
 };
 
+/// How relative_attention computes the memory's share (the key positions before the segment):
+///   projected  k = ẑ·W_kᵀ and v = ẑ·W_vᵀ + b_v for every memory row, then per head q·kᵀ and a·v;
+///   absorbed   the projections folded into the queries and the context, never forming k and v:
+///              score = ((q+u)_h·W_k,h)·ẑ and context_h = (a·ẑ)·W_v,hᵀ + (Σ a)·b_v,h;
+///   automatic  absorbed when it needs under half the multiply-adds of projected (short segments over
+///              long memories, as the reference experiment: 8 queries over 144 keys), else projected.
+/// Both compute the same function; they differ in float rounding only.
+enum class memory_attention { automatic, projected, absorbed };
+
 template <class T, class Config, class Backend = cpu>
 class relative_attention {
     using K = ops<Backend>;
@@ -112,8 +132,10 @@ public:
           output_(ps, name + ".output", true) {
         MNEMO_CHECK(n_pos >= 1, "relative_attention '", name, "': n_pos (the number of relative positions P) must be "
                     "at least 1, got ", n_pos);
-        r_ = ps.declare(name + ".key_pos_embeddings", {2 * n_pos, index_t(heads), index_t(d_head)});
-        s_ = ps.declare(name + ".key_pos_bias", {2 * n_pos, index_t(heads)});
+        // Only the window of rows a call reaches gets gradient: zero_grad, clipping and the optimizers
+        // skip the rest (grad_sparsity::rows; backward records the window with touch_grad_rows).
+        r_ = ps.declare(name + ".key_pos_embeddings", {2 * n_pos, index_t(heads), index_t(d_head)}, grad_sparsity::rows);
+        s_ = ps.declare(name + ".key_pos_bias", {2 * n_pos, index_t(heads)}, grad_sparsity::rows);
         u_ = ps.declare(name + ".query_pos_bias", {index_t(heads), index_t(d_head)});
     }
 
@@ -123,6 +145,16 @@ public:
     /// Key padding flags [K·B] (key-row order, nonzero = padding) for the following forward calls,
     /// read at each forward (the pointer must stay valid until then); null: no padding.
     void set_key_padding(const std::uint8_t* pad) { key_pad_ = pad; }
+
+    /// How the memory's keys and values enter the attention (see the top of the file); automatic by default.
+    void set_memory_attention(memory_attention mode) { mode_ = mode; }
+    memory_attention memory_attention_mode() const { return mode_; }
+    /// Whether the last forward took the absorbed route.
+    bool last_forward_absorbed() const { return absorbed_; }
+    /// While on, every forward projects the keys and values of all positions (never absorbed), so a
+    /// following forward may reuse them (kv_reuse). The compressive model turns it on with its
+    /// generation cache.
+    void keep_projections(bool on) { keep_projections_ = on; }
 
     /// PyTorch defaults for the linears; R, S and u start at zero (as the reference).
     void reset_parameters(rng& r) const {
@@ -148,8 +180,15 @@ public:
         const index_t qb = q_len_ * batch_, kb = k_len_ * batch_, w = window();
         view<T, d_model, Backend> q(q_.ensure(qb * D), qb), qu(qu_.ensure(qb * D), qb), ctx(ctx_.ensure(qb * D), qb);
         query_.forward(zq, q);
+        const index_t mem = k_len_ - q_len_;
+        const bool absorb = !reuse.n && use_absorbed(mem);
         T* kv = reuse.n ? reuse_kv(reuse, zkv.data(), zkv.ld()) : kv_.ensure(kb * 2 * D);  // row r: [k_r, v_r]
-        if (!reuse.n) project_kv(kb, zkv.data(), zkv.ld(), kv);
+        if (!reuse.n) {
+            // Absorbed: only the segment's keys and values are projected (rows from mem·B on).
+            const index_t r0 = absorb ? mem * batch_ : 0;
+            project_kv(kb - r0, zkv.data() + r0 * zkv.ld(), zkv.ld(), kv + r0 * 2 * D);
+        }
+        absorbed_ = absorb;
         last_k_len_ = k_len_;
         last_batch_ = batch_;
         K::copy(qb, D, q.data(), D, qu.data(), D);
@@ -158,42 +197,49 @@ public:
         // q·R over the window of table rows [P − K, P + Q), one GEMM per head: pos[h] [Q·B, W].
         T* pos = pos_.ensure(index_t(heads) * qb * w);
         const T* r_win = r_.value() + (n_pos_ - k_len_) * D;
-        for (index_t h = 0; h < H; ++h)
+        for_each_head(qb * w * Dk, [&](index_t h) {
             K::gemm_nt(qb, w, Dk, q.data() + h * Dk, D, r_win + h * Dk, D, pos + h * qb * w, w);
+        });
 
         T* attn = attn_.ensure(batch_ * H * q_len_ * k_len_);
         const T scale = T(1) / std::sqrt(T(d_head));
         const T* s_win = s_.value() + (n_pos_ - k_len_) * H;
         const index_t ld = batch_ * D, ldkv = batch_ * 2 * D;  // row strides of one batch element's sequence
-        const index_t mem = k_len_ - q_len_;
         const std::uint8_t* keep = key_pad_ ? build_keep() : nullptr;
-        parallel_range(batch_ * H, worth_threads(), [&](index_t bh_begin, index_t bh_end) {
-            for (index_t bh = bh_begin; bh < bh_end; ++bh) {
-                const index_t b = bh / H, h = bh % H;
-                T* a = attn + (b * H + h) * q_len_ * k_len_;  // [Q, K]
-                const index_t off = b * D + h * Dk, kv_off = b * 2 * D + h * Dk;
-                K::gemm_nt(q_len_, k_len_, Dk, qu.data() + off, ld, kv + kv_off, ldkv, a, k_len_);
-                const T* ph = pos + h * qb * w;
-                for (index_t i = 0; i < q_len_; ++i) {
-                    const T* pi = ph + (i * batch_ + b) * w + q_len_ - i;  // column Q + j − i at j = 0
-                    const T* si = s_win + (q_len_ - i) * H + h;
-                    T* ai = a + i * k_len_;
-                    const index_t visible = mem + i + 1, j0 = clamped(i);
-                    if (j0 > 0) {  // δ > clamp_len: the window column and S row of distance clamp_len
-                        const T pc = ph[(i * batch_ + b) * w + k_len_ - clamp_len_], sc = s_win[(k_len_ - clamp_len_) * H + h];
-                        for (index_t j = 0; j < j0; ++j) ai[j] = scale * (ai[j] + pc + sc);
-                    }
-                    for (index_t j = j0; j < visible; ++j) ai[j] = scale * (ai[j] + pi[j] + si[j * H]);
+        // Content scores from column c0 on (absorbed: the memory's columns are already there), the
+        // positional terms, the masked softmax, and the context from the keys' values from c0 on.
+        const index_t c0 = absorb ? mem : 0;
+        auto head = [&](index_t b, index_t h) {
+            T* a = attn + (b * H + h) * q_len_ * k_len_;  // [Q, K]
+            const index_t off = b * D + h * Dk, kv_off = c0 * ldkv + b * 2 * D + h * Dk;
+            K::gemm_nt(q_len_, k_len_ - c0, Dk, qu.data() + off, ld, kv + kv_off, ldkv, a + c0, k_len_);
+            const T* ph = pos + h * qb * w;
+            for (index_t i = 0; i < q_len_; ++i) {
+                const T* pi = ph + (i * batch_ + b) * w + q_len_ - i;  // column Q + j − i at j = 0
+                const T* si = s_win + (q_len_ - i) * H + h;
+                T* ai = a + i * k_len_;
+                const index_t visible = mem + i + 1, j0 = clamped(i);
+                if (j0 > 0) {  // δ > clamp_len: the window column and S row of distance clamp_len
+                    const T pc = ph[(i * batch_ + b) * w + k_len_ - clamp_len_], sc = s_win[(k_len_ - clamp_len_) * H + h];
+                    for (index_t j = 0; j < j0; ++j) ai[j] = scale * (ai[j] + pc + sc);
                 }
-                softmax_mask mask = softmax_mask::causal_from(mem);
-                if (keep && keep_any_[std::size_t(b)]) {
-                    mask.keep = keep + b * k_len_;
-                    mask.ld_keep = 0;  // the same key mask for every query row
-                }
-                K::softmax_forward(q_len_, k_len_, a, k_len_, a, k_len_, T(1), mask);
-                K::gemm_nn(q_len_, Dk, k_len_, a, k_len_, kv + kv_off + D, ldkv, ctx.data() + off, ld);
+                for (index_t j = j0; j < visible; ++j) ai[j] = scale * (ai[j] + pi[j] + si[j * H]);
             }
-        });
+            softmax_mask mask = softmax_mask::causal_from(mem);
+            if (keep && keep_any_[std::size_t(b)]) {
+                mask.keep = keep + b * k_len_;
+                mask.ld_keep = 0;  // the same key mask for every query row
+            }
+            K::softmax_forward(q_len_, k_len_, a, k_len_, a, k_len_, T(1), mask);
+            K::gemm_nn(q_len_, Dk, k_len_ - c0, a + c0, k_len_, kv + kv_off + D, ldkv, ctx.data() + off, ld);
+        };
+        if (!absorb) {
+            parallel_range(batch_ * H, worth_threads(), [&](index_t bh_begin, index_t bh_end) {
+                for (index_t bh = bh_begin; bh < bh_end; ++bh) head(bh / H, bh % H);
+            });
+        } else {
+            absorbed_forward(zkv.data(), zkv.ld(), qu.data(), attn, ctx.data(), head);
+        }
         output_.forward(ctx, out);
     }
 
@@ -222,53 +268,69 @@ public:
         const T scale = T(1) / std::sqrt(T(d_head));
         const index_t ld = batch_ * D, ldkv = batch_ * 2 * D;
         const index_t mem = k_len_ - q_len_;
-        parallel_range(batch_ * H, worth_threads(), [&](index_t bh_begin, index_t bh_end) {
-            for (index_t bh = bh_begin; bh < bh_end; ++bh) {
-                const index_t b = bh / H, h = bh % H;
-                const T* a = attn + (b * H + h) * q_len_ * k_len_;
-                T* ds = d_scores + (b * H + h) * q_len_ * k_len_;
-                const index_t off = b * D + h * Dk, k_off = b * 2 * D + h * Dk, v_off = k_off + D;
-                K::gemm_nt(q_len_, k_len_, Dk, d_ctx.data() + off, ld, kv + v_off, ldkv, ds, k_len_);  // dA
-                K::gemm_tn(k_len_, Dk, q_len_, a, k_len_, d_ctx.data() + off, ld, dkv + v_off, ldkv);  // dv
-                K::softmax_backward(q_len_, k_len_, a, k_len_, ds, k_len_, ds, k_len_, scale);  // d raw score
-                K::gemm_nn(q_len_, Dk, k_len_, ds, k_len_, kv + k_off, ldkv, dqu.data() + off, ld);   // d(q+u)
-                K::gemm_tn(k_len_, Dk, q_len_, ds, k_len_, qu.data() + off, ld, dkv + k_off, ldkv);   // dk
-                // The positional scores' gradient lands on window column Q + j − i of row (i, b).
-                T* ph = d_pos + h * qb * w;
-                for (index_t i = 0; i < q_len_; ++i) {
-                    T* pi = ph + (i * batch_ + b) * w;
-                    for (index_t c = 0; c < w; ++c) pi[c] = T(0);
-                    const T* dsi = ds + i * k_len_;
-                    const index_t visible = mem + i + 1, j0 = clamped(i);
-                    for (index_t j = j0; j < visible; ++j) pi[q_len_ + j - i] = dsi[j];
-                    if (j0 > 0) {  // clamped scores read the column of distance clamp_len
-                        T sum = T(0);
-                        for (index_t j = 0; j < j0; ++j) sum += dsi[j];
-                        pi[k_len_ - clamp_len_] += sum;
-                    }
+        const bool absorb = absorbed_;
+        const index_t c0 = absorb ? mem : 0;  // keys projected by forward: from position c0 on
+        // Per (batch, head): d attention weights, dv, the softmax's backward, d(q+u) and dk over the
+        // projected keys, and the positional scores' gradient.
+        auto head = [&](index_t b, index_t h) {
+            const T* a = attn + (b * H + h) * q_len_ * k_len_;
+            T* ds = d_scores + (b * H + h) * q_len_ * k_len_;
+            const index_t off = b * D + h * Dk, k_off = c0 * ldkv + b * 2 * D + h * Dk, v_off = k_off + D;
+            const index_t kc = k_len_ - c0;
+            K::gemm_nt(q_len_, kc, Dk, d_ctx.data() + off, ld, kv + v_off, ldkv, ds + c0, k_len_);      // dA
+            K::gemm_tn(kc, Dk, q_len_, a + c0, k_len_, d_ctx.data() + off, ld, dkv + v_off, ldkv);      // dv
+            K::softmax_backward(q_len_, k_len_, a, k_len_, ds, k_len_, ds, k_len_, scale);  // d raw score
+            K::gemm_nn(q_len_, Dk, kc, ds + c0, k_len_, kv + k_off, ldkv, dqu.data() + off, ld);        // d(q+u)
+            K::gemm_tn(kc, Dk, q_len_, ds + c0, k_len_, qu.data() + off, ld, dkv + k_off, ldkv);        // dk
+            // The positional scores' gradient lands on window column Q + j − i of row (i, b).
+            T* ph = d_pos + h * qb * w;
+            for (index_t i = 0; i < q_len_; ++i) {
+                T* pi = ph + (i * batch_ + b) * w;
+                for (index_t c = 0; c < w; ++c) pi[c] = T(0);
+                const T* dsi = ds + i * k_len_;
+                const index_t visible = mem + i + 1, j0 = clamped(i);
+                for (index_t j = j0; j < visible; ++j) pi[q_len_ + j - i] = dsi[j];
+                if (j0 > 0) {  // clamped scores read the column of distance clamp_len
+                    T sum = T(0);
+                    for (index_t j = 0; j < j0; ++j) sum += dsi[j];
+                    pi[k_len_ - clamp_len_] += sum;
                 }
             }
-        });
+        };
+        if (!absorb) {
+            parallel_range(batch_ * H, worth_threads(), [&](index_t bh_begin, index_t bh_end) {
+                for (index_t bh = bh_begin; bh < bh_end; ++bh) head(bh / H, bh % H);
+            });
+        } else {
+            absorbed_backward(zkv.data(), zkv.ld(), qu.data(), d_ctx.data(), d_scores, dqu.data(), head);
+        }
 
         // Per head: dq = d_pos·R_win, dR_win += d_posᵀ·q, dS_win += column sums of d_pos.
         const T* r_win = r_.value() + (n_pos_ - k_len_) * D;
-        T* dr_win = r_.grad() + (n_pos_ - k_len_) * D;
-        T* ds_win = s_.grad() + (n_pos_ - k_len_) * H;
-        T* col = col_sums_.ensure(w);
-        for (index_t h = 0; h < H; ++h) {
+        T* dr_win = r_.touch_grad_rows(n_pos_ - k_len_, n_pos_ - k_len_ + w);  // rows [P − K, P + Q)
+        T* ds_win = s_.touch_grad_rows(n_pos_ - k_len_, n_pos_ - k_len_ + w);
+        T* cols = col_sums_.ensure(H * w);
+        for_each_head(qb * w * Dk, [&](index_t h) {
             const T* ph = d_pos + h * qb * w;
+            T* col = cols + h * w;
             K::gemm_nn(qb, Dk, w, ph, w, r_win + h * Dk, D, dq.data() + h * Dk, D);
             K::gemm_tn(w, Dk, qb, ph, w, q.data() + h * Dk, D, dr_win + h * Dk, D, T(1));
             for (index_t c = 0; c < w; ++c) col[c] = T(0);
             K::sum_rows_accumulate(qb, w, ph, w, col);
             for (index_t c = 0; c < w; ++c) ds_win[c * H + h] += col[c];
-        }
+        });
         K::sum_rows_accumulate(qb, D, dqu.data(), D, u_.grad());        // du = Σ rows d(q+u)
         K::add(qb, D, dq.data(), D, dqu.data(), D, dq.data(), D);        // dq = d(q+u) + positional part
 
         MNEMO_CHECK(frozen.rows >= 0 && frozen.rows <= kb - qb, "relative_attention '", name_, "': ", frozen.rows,
                     " frozen key rows, but only ", kb - qb, " rows precede the queries");
-        if (frozen.rows > 0) {
+        if (absorb) {
+            // The segment's rows as usual; the memory's d z rows are in dz_mem_ (absorbed_backward).
+            const index_t lb = mem * batch_;
+            project_kv_backward(kb - lb, zkv.data() + lb * zkv.ld(), zkv.ld(), dkv + lb * 2 * D,
+                                d_zkv.data() ? d_zkv.data() + lb * d_zkv.ld() : nullptr, d_zkv.ld());
+            absorbed_memory_input_grads(frozen, lb, d_zkv.data(), d_zkv.ld());
+        } else if (frozen.rows > 0) {
             const index_t fr = frozen.rows;
             project_kv_backward(kb - fr, zkv.data() + fr * zkv.ld(), zkv.ld(), dkv + fr * 2 * D,
                                 d_zkv.data() ? d_zkv.data() + fr * d_zkv.ld() : nullptr, d_zkv.ld());
@@ -316,6 +378,15 @@ private:
     /// of scores (one generated token over a short memory stays on the calling thread, where an
     /// OpenMP fork and join would cost more than the loop).
     bool worth_threads() const { return batch_ * H * q_len_ * k_len_ * Dk >= (index_t(1) << 16); }
+    /// f(h) for every head, the heads spread over threads when the per-head products hold at least
+    /// 64K multiply-adds in all (each head's GEMMs then run on one thread; results do not depend on
+    /// the thread count either way).
+    template <class F>
+    static void for_each_head(index_t work_per_head, F&& f) {
+        parallel_range(H, H * work_per_head >= (index_t(1) << 16), [&](index_t h0, index_t h1) {
+            for (index_t h = h0; h < h1; ++h) f(h);
+        });
+    }
     /// Keys j < clamped(i) of query i are farther than clamp_len (0 when clamping is off).
     index_t clamped(index_t i) const {
         if (clamp_len_ <= 0) return 0;
@@ -338,6 +409,8 @@ private:
     T* reuse_kv(const kv_reuse& reuse, const T* z, index_t ldz) {
         MNEMO_CHECK(last_batch_ == batch_, "relative_attention '", name_, "': key/value reuse across batch sizes (",
                     last_batch_, " then ", batch_, ")");
+        MNEMO_CHECK(!absorbed_, "relative_attention '", name_, "': key/value reuse after a forward that did not project "
+                    "the memory's keys (absorbed); call keep_projections(true) before that forward");
         std::swap(kv_, kv_prev_);
         const T* prev = kv_prev_.data();
         T* kv = kv_.ensure(k_len_ * batch_ * 2 * D);
@@ -362,6 +435,136 @@ private:
             if (i < nc) at = std::max(at, covered[i][1]);
         }
         return kv;
+    }
+
+    /// Absorbed memory when it needs under half the multiply-adds of projected, forward and backward,
+    /// per batch element: projected 4·M·D² (projections, their weight and norm gradients) + 6·Q·M·D
+    /// (per-head products); absorbed 6·Q·D² + 6·H·Q·M·D.
+    bool use_absorbed(index_t mem) const {
+        if (mem == 0 || keep_projections_ || mode_ == memory_attention::projected) return false;
+        if (mode_ == memory_attention::absorbed) return true;
+        const double s = double(q_len_), m = double(mem), d = double(D), h = double(H);
+        const double projected = 4 * m * d * d + 6 * s * m * d, absorbed = 6 * s * d * d + 6 * h * s * m * d;
+        return 2 * absorbed < projected;
+    }
+
+    // Absorbed memory. Per head h, W_k,h and W_v,h are the rows [h·d_k, (h+1)·d_k) of W_k and W_v [D, D]:
+    //   q̃_h = (q + u)_h·W_k,h [Q·B, D]             score[i, j < M] = q̃_h,i · ẑ_j
+    //   U_h = A_h,mem·ẑ      [Q·B, D]             context_h += U_h·W_v,hᵀ + (Σ_{j<M} a[i, j])·b_v,h
+    // q̃ and U live as [H·Q, B, D]: head h's block is [Q·B, D] in the queries' row order, and batch
+    // element b's rows (h, i) are one strided matrix [H·Q, D] (stride B·D), so the memory's share of
+    // every head of b is one GEMM with ẑ_b [M, D] (stride B·ld).
+
+    /// Forward of the memory's share, then head(b, h) (the segment's share, softmax, context) per head.
+    template <class Head>
+    void absorbed_forward(const T* z, index_t ldz, const T* qu, T* attn, T* ctx, Head& head) {
+        const index_t qb = q_len_ * batch_, mem = k_len_ - q_len_, hq = H * q_len_;
+        const index_t ldb = batch_ * D, ldzb = batch_ * ldz;
+        const T *wk = key_.weight().value(), *wv = value_.weight().value(), *bv = value_.bias().value();
+        T *qt = qt_.ensure(H * qb * D), *ut = ut_.ensure(H * qb * D), *rs = row_mass_.ensure(batch_ * hq);
+        for_each_head(qb * D * Dk, [&](index_t h) {
+            K::gemm_nn(qb, D, Dk, qu + h * Dk, D, wk + h * Dk * D, D, qt + h * qb * D, D);
+        });
+        parallel_range(batch_, worth_threads(), [&](index_t b0, index_t b1) {
+            for (index_t b = b0; b < b1; ++b) {
+                const T* zb = z + b * ldz;
+                T* ab = attn + b * hq * k_len_;
+                K::gemm_nt(hq, mem, D, qt + b * D, ldb, zb, ldzb, ab, k_len_);  // memory scores, every head
+                for (index_t h = 0; h < H; ++h) head(b, h);
+                K::gemm_nn(hq, D, mem, ab, k_len_, zb, ldzb, ut + b * D, ldb);  // U = A_mem·ẑ
+                for (index_t r = 0; r < hq; ++r) {
+                    const T* ar = ab + r * k_len_;
+                    T sum = T(0);
+                    for (index_t j = 0; j < mem; ++j) sum += ar[j];
+                    rs[b * hq + r] = sum;
+                }
+            }
+        });
+        for_each_head(qb * D * Dk, [&](index_t h) {
+            K::gemm_nt(qb, Dk, D, ut + h * qb * D, D, wv + h * Dk * D, D, ctx + h * Dk, D, T(1));
+        });
+        for (index_t i = 0; i < q_len_; ++i)
+            for (index_t b = 0; b < batch_; ++b)
+                for (index_t h = 0; h < H; ++h) {
+                    T* c = ctx + (i * batch_ + b) * D + h * Dk;
+                    const T m = rs[b * hq + h * q_len_ + i];
+                    for (index_t d = 0; d < Dk; ++d) c[d] += m * bv[h * Dk + d];
+                }
+    }
+
+    /// Backward of absorbed_forward: dW_k, dW_v, db_v and d(q+u) from the memory's share, head(b, h)
+    /// per head, and d ẑ of the memory rows into dz_mem_ [M·B, D] (absorbed_memory_input_grads).
+    template <class Head>
+    void absorbed_backward(const T* z, index_t ldz, const T* qu, const T* d_ctx, T* d_scores, T* dqu, Head& head) {
+        const index_t qb = q_len_ * batch_, mem = k_len_ - q_len_, hq = H * q_len_;
+        const index_t ldb = batch_ * D, ldzb = batch_ * ldz;
+        const T *wk = key_.weight().value(), *wv = value_.weight().value(), *bv = value_.bias().value();
+        T *gk = key_.weight().grad(), *gv = value_.weight().grad(), *gbv = value_.bias().grad();
+        const T *attn = attn_.data(), *qt = qt_.data(), *ut = ut_.data(), *rs = row_mass_.data();
+        T *dut = dut_.ensure(H * qb * D), *dqt = dqt_.ensure(H * qb * D), *dzm = dz_mem_.ensure(mem * batch_ * D);
+        T* dc = d_bias_score_.ensure(batch_ * hq);
+        for_each_head(2 * qb * D * Dk, [&](index_t h) {
+            K::gemm_nn(qb, D, Dk, d_ctx + h * Dk, D, wv + h * Dk * D, D, dut + h * qb * D, D);       // dU_h
+            K::gemm_tn(Dk, D, qb, d_ctx + h * Dk, D, ut + h * qb * D, D, gv + h * Dk * D, D, T(1));  // dW_v,h
+        });
+        // db_v += Σ_i (Σ_{j<M} a[i, j])·d context_i; every memory column's d a[i, j] gets d context_i · b_v,h.
+        for (index_t i = 0; i < q_len_; ++i)
+            for (index_t b = 0; b < batch_; ++b)
+                for (index_t h = 0; h < H; ++h) {
+                    const T* g = d_ctx + (i * batch_ + b) * D + h * Dk;
+                    const T m = rs[b * hq + h * q_len_ + i];
+                    T dot = T(0);
+                    for (index_t d = 0; d < Dk; ++d) {
+                        gbv[h * Dk + d] += m * g[d];
+                        dot += g[d] * bv[h * Dk + d];
+                    }
+                    dc[b * hq + h * q_len_ + i] = dot;
+                }
+        parallel_range(batch_, worth_threads(), [&](index_t b0, index_t b1) {
+            for (index_t b = b0; b < b1; ++b) {
+                const T* zb = z + b * ldz;
+                const T* ab = attn + b * hq * k_len_;
+                T* dsb = d_scores + b * hq * k_len_;
+                K::gemm_nt(hq, mem, D, dut + b * D, ldb, zb, ldzb, dsb, k_len_);  // d a over the memory columns
+                for (index_t r = 0; r < hq; ++r) {
+                    const T c = dc[b * hq + r];
+                    T* dr = dsb + r * k_len_;
+                    for (index_t j = 0; j < mem; ++j) dr[j] += c;
+                }
+                for (index_t h = 0; h < H; ++h) head(b, h);  // d raw scores from here on
+                K::gemm_nn(hq, D, mem, dsb, k_len_, zb, ldzb, dqt + b * D, ldb);                // d q̃
+                K::gemm_tn(mem, D, hq, dsb, k_len_, qt + b * D, ldb, dzm + b * D, ldb);           // d ẑ = dSᵀ·q̃
+                K::gemm_tn(mem, D, hq, ab, k_len_, dut + b * D, ldb, dzm + b * D, ldb, T(1));     //    + Aᵀ·dU
+            }
+        });
+        for_each_head(2 * qb * D * Dk, [&](index_t h) {
+            K::gemm_nt(qb, Dk, D, dqt + h * qb * D, D, wk + h * Dk * D, D, dqu + h * Dk, D, T(1));   // d(q+u)_h
+            K::gemm_tn(Dk, D, qb, qu + h * Dk, D, dqt + h * qb * D, D, gk + h * Dk * D, D, T(1));    // dW_k,h
+        });
+    }
+
+    /// The memory rows' d z after absorbed_backward: the frozen ones (frozen_key_rows) give the layer
+    /// norm's parameter gradients when they are its outputs (dγ += Σ dz∘ẑ, dβ += Σ dz) and nothing
+    /// otherwise; the others are written to d_zkv.
+    void absorbed_memory_input_grads(const frozen_key_rows<T>& f, index_t lb, T* d_zkv, index_t ld) {
+        const T* dzm = dz_mem_.data();
+        if (f.rows > 0 && f.zhat) {
+            T* acc = norm_acc_.ensure(2 * D);
+            for (index_t i = 0; i < 2 * D; ++i) acc[i] = T(0);
+            for (index_t r = 0; r < f.rows; ++r) {
+                const T *g = dzm + r * D, *zh = f.zhat + r * f.ld_zhat;
+#pragma omp simd
+                for (index_t i = 0; i < D; ++i) {
+                    acc[i] += g[i] * zh[i];
+                    acc[D + i] += g[i];
+                }
+            }
+            for (index_t i = 0; i < D; ++i) {
+                f.dgamma[i] += acc[i];
+                f.dbeta[i] += acc[D + i];
+            }
+        }
+        if (d_zkv && f.rows < lb) K::copy(lb - f.rows, D, dzm + f.rows * D, D, d_zkv + f.rows * ld, ld);
     }
 
     /// W_v directly follows W_k in the parameter buffers: [W_k; W_v] is one [2D, D] matrix.
@@ -429,6 +632,9 @@ private:
     linear<T, d_model, d_model, Backend> query_, key_, value_, output_;
     param<T> r_, s_, u_;
     index_t q_len_ = 0, k_len_ = 0, batch_ = 0, last_k_len_ = 0, last_batch_ = 0;
+    memory_attention mode_ = memory_attention::automatic;
+    bool keep_projections_ = false;
+    bool absorbed_ = false;  // the last forward took the absorbed route (its kv_ holds the segment's rows only)
     index_t clamp_len_ = 0;                  // 0: off
     const std::uint8_t* key_pad_ = nullptr;  // [K·B], nonzero = padding; null: none
     buffer<std::uint8_t> keep_;              // [B, K], 1 = visible
@@ -437,6 +643,9 @@ private:
     buffer<T> q_, qu_, kv_, kv_prev_, attn_, ctx_;
     // Scratch: positional scores / their gradient [H, Q·B, W]; backward's gradients.
     buffer<T> pos_, d_ctx_, dqu_, dq_, dkv_, d_scores_, col_sums_, frozen_g_, frozen_c_;
+    // Absorbed memory: saved q̃, U [H·Q, B, D] and Σ_{j<M} a [B, H, Q]; backward's dU, d q̃, the memory
+    // rows' d z [M·B, D], the bias share of d a [B, H, Q], and the norm gradients' accumulators.
+    buffer<T> qt_, ut_, row_mass_, dut_, dqt_, dz_mem_, d_bias_score_, norm_acc_;
 };
 
 }  // namespace mnemo

@@ -36,7 +36,18 @@
 // 0.64 ns/element, clang 14 2.8 -> 0.47 ns/element (measured on the AMD EPYC development machine). Those
 // loops therefore carry `parallel for` without `simd`, left to the auto-vectoriser, so that clang does
 // not warn about a forced vectorisation it cannot do; the loops without sqrt keep `simd`.
+// Each Adam loop is a static update() that gets its buffers and coefficients as arguments: written
+// inside the lambda it runs in, it read them through the lambda's captures, memory that every store to
+// params, m or v might alias, and g++ 12 gave up on the 30 run-time alias checks that needed (its limit
+// is 10) and left the loop scalar even under -fno-math-errno. Vectorised, each element still sees the
+// same IEEE operations (fma, ·, /, sqrt, +), so the results are the same bits.
+//
+// Sparse gradients: adamw and labml_adam skip the gradient reads of blocks that never had gradient
+// (adam_state::sweep); over a parameter_set, step(set) also passes the runs where the gradient may be
+// non-zero (parameter_set::grad_live_ranges()), so the blocks of rows no step touched (the positional
+// tables' rows outside the window) are not read at all: they only decay. Bitwise the dense result.
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <span>
@@ -51,41 +62,22 @@
 #include "clip.hpp"
 #include "schedule.hpp"
 
-#if !defined(MNEMO_HAS_FAST_FMA)
-#if defined(__FMA__) || defined(__ARM_FEATURE_FMA) || defined(__aarch64__)
-#define MNEMO_HAS_FAST_FMA 1
-#else
-#define MNEMO_HAS_FAST_FMA 0
-#endif
-#endif
-
 namespace mnemo {
 
 namespace detail::optim {
 
-// a·b + c with PyTorch's rounding (see the header comment). std::fma is one instruction where the target
-// has FMA and a slow library call where it does not, hence the fallback.
-template <class T>
-inline T fmadd(T a, T b, T c) {
-#if MNEMO_HAS_FAST_FMA
-    return std::fma(a, b, c);
-#else
-    return a * b + c;
-#endif
-}
+// fmadd (a·b + c with PyTorch's rounding), product (a·b rounded once, never fused into a later addition)
+// and MNEMO_HAS_FAST_FMA are defined in clip.hpp, which shares them.
 
-// a·b rounded once, and kept out of any later addition. g++'s default -ffp-contract=fast fuses a product
-// into an addition that consumes it even across statements (and __builtin_assoc_barrier does not survive
-// its vectoriser), whereas PyTorch rounds p·(1 − lr·wd) in one kernel and adds in another. fma(a, b, −0)
-// is exactly round(a·b), sign of zero included, and its result cannot be fused again. Without hardware
-// FMA there is nothing to fuse into, and a plain product is the same value.
+// Whether x[0, n) is all ±0 (as x_i == 0 for every i): an OR of the bits without the sign, which
+// vectorises where a chain of `zero &= x_i == 0` does not. NaN and every other value have bits left.
 template <class T>
-inline T product(T a, T b) {
-#if MNEMO_HAS_FAST_FMA
-    return std::fma(a, b, T(-0.0));
-#else
-    return a * b;
-#endif
+bool all_zero(const T* x, index_t n) {
+    using U = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
+    static_assert(sizeof(U) == sizeof(T));
+    U bits = 0;
+    for (index_t i = 0; i < n; ++i) bits |= std::bit_cast<U>(x[i]) << 1;
+    return bits == 0;
 }
 
 inline void check_lr(double lr, const char* who) {
@@ -139,7 +131,10 @@ void copy_state(std::span<const T> from, T* to) {
 
 // step() overloads shared by every optimizer: the rate from the options, an explicit rate, a schedule
 // (asked for the rate of the next step, schedule.lr(step_count())), and the same over a parameter_set.
-// Derived provides step(T* params, const T* grads, index_t n, double lr), options().lr and step_count().
+// Derived provides step(T* params, const T* grads, index_t n, double lr), options().lr and step_count();
+// where it also provides step(params, grads, n, lr, live) (the gradient is +0 outside the runs `live`),
+// the parameter_set overloads pass it the set's grad_live_ranges(). They read the gradients through the
+// const grads(), which leaves the set's record of touched rows as it is.
 template <class Derived, class T>
 class step_overloads {
 public:
@@ -148,11 +143,18 @@ public:
     void step(T* params, const T* grads, index_t n, const S& schedule) {
         self().step(params, grads, n, static_cast<double>(schedule.lr(self().step_count())));
     }
-    void step(parameter_set<T>& set) { self().step(set.values(), set.grads(), set.size()); }
-    void step(parameter_set<T>& set, double lr) { self().step(set.values(), set.grads(), set.size(), lr); }
+    void step(parameter_set<T>& set) { step(set, self().options().lr); }
+    void step(parameter_set<T>& set, double lr) {
+        const parameter_set<T>& cset = set;
+        T* values = set.values();
+        if constexpr (requires(Derived& d, T* p, const T* g, std::span<const flat_range> live) { d.step(p, g, index_t(0), 0.0, live); })
+            self().step(values, cset.grads(), set.size(), lr, cset.grad_live_ranges());
+        else
+            self().step(values, cset.grads(), set.size(), lr);
+    }
     template <lr_schedule S>
     void step(parameter_set<T>& set, const S& schedule) {
-        self().step(set.values(), set.grads(), set.size(), schedule);
+        step(set, static_cast<double>(schedule.lr(self().step_count())));
     }
 
 private:
@@ -208,15 +210,24 @@ protected:
     /// update(i0, i1) and is warm from then on. Results are bitwise those of the plain loop; the
     /// saving is the traffic over parameters that never receive gradient, such as the rows of the
     /// relative-position tables (P = 4096) outside the window a model's lengths ever reach.
+    /// The gradient is +0 outside the sorted, disjoint runs `live` (a parameter_set's
+    /// grad_live_ranges(), or all of [0, n)): a cold block that no run meets is known zero without
+    /// reading its gradient, and one that runs meet is checked over those runs only.
     template <class Update, class Decay>
-    void sweep(const T* grads, Update&& update, Decay&& decay) {
+    void sweep(const T* grads, std::span<const flat_range> live, Update&& update, Decay&& decay) {
         const index_t blocks = index_t(cold_.size());
+        const flat_range* live_end = live.data() + live.size();
         parallel_range(blocks, n_ >= detail::optim::elementwise_parallel_threshold, [&](index_t b0, index_t b1) {
+            const flat_range* r = detail::optim::first_live_after(live, b0 * cold_block);
             for (index_t b = b0; b < b1; ++b) {
                 const index_t i0 = b * cold_block, i1 = std::min(n_, i0 + cold_block);
+                while (r != live_end && r->end <= i0) ++r;  // r: the first run that ends after i0
                 if (cold_[std::size_t(b)]) {
                     bool zero = true;
-                    for (index_t i = i0; i < i1; ++i) zero &= grads[i] == T(0);
+                    for (const flat_range* q = r; q != live_end && q->begin < i1 && zero; ++q) {
+                        const index_t a = std::max(i0, q->begin), e = std::min(i1, q->end);
+                        zero = detail::optim::all_zero(grads + a, e - a);
+                    }
                     if (zero) {
                         decay(i0, i1);
                         continue;
@@ -226,6 +237,16 @@ protected:
                 update(i0, i1);
             }
         });
+    }
+
+    // The checks on the runs a step is given: sorted, disjoint, inside [0, n).
+    void check_live(std::span<const flat_range> live) const {
+        index_t at = 0;
+        for (const flat_range& r : live) {
+            MNEMO_CHECK(r.begin >= at && r.end >= r.begin && r.end <= n_, who_, ": the live ranges of the gradient must be "
+                        "sorted, disjoint and inside [0, ", n_, "); got [", r.begin, ", ", r.end, ") after ", at);
+            at = r.end;
+        }
     }
 
     /// The whole update of a cold block with zero gradient: p ← p·(1 − lr·wd), as the full loop computes it.
@@ -266,7 +287,15 @@ public:
 
     /// One step at rate lr (PyTorch's group['lr'], e.g. as set by a scheduler; the decay uses it too).
     void step(T* params, const T* grads, index_t n, double lr) {
+        const flat_range all{0, n};
+        step(params, grads, n, lr, std::span<const flat_range>(&all, 1));
+    }
+    /// The same step for a gradient known to be +0 outside the sorted, disjoint runs `live` (what
+    /// parameter_set::grad_live_ranges() reports; step(set) passes it): bitwise the same result,
+    /// without reading the gradient of blocks that never had any.
+    void step(T* params, const T* grads, index_t n, double lr, std::span<const flat_range> live) {
         detail::optim::check_step(params, grads, n, this->n_, lr, "adamw");
+        this->check_live(live);
         const std::int64_t t = ++this->step_;
         const double bias_correction1 = 1.0 - std::pow(o_.beta1, static_cast<double>(t));
         const double bias_correction2 = 1.0 - std::pow(o_.beta2, static_cast<double>(t));
@@ -276,23 +305,32 @@ public:
         const T bias_correction2_sqrt = static_cast<T>(std::sqrt(bias_correction2));
         const T eps = static_cast<T>(o_.eps);
         const T neg_step_size = static_cast<T>(-(lr / bias_correction1));
+        const coefficients c{decay, beta1, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size};
         T* m = this->m_.data();
         T* v = this->v_.data();
-        this->sweep(grads, [&](index_t i_begin, index_t i_end) {
-        for (index_t i = i_begin; i < i_end; ++i) {
-            const T g = grads[i];
-            const T p = detail::optim::product(params[i], decay);                   // param.mul_(1 - lr*wd)
-            const T mi = detail::optim::fmadd(one_minus_beta1, g, m[i] * beta1);    // m.mul_(b1).add_(g, 1-b1)
-            const T vi = detail::optim::fmadd(one_minus_beta2 * g, g, v[i] * beta2);  // v.mul_(b2).addcmul_(g, g, 1-b2)
-            m[i] = mi;
-            v[i] = vi;
-            const T denom = std::sqrt(vi) / bias_correction2_sqrt + eps;
-            params[i] = p + (neg_step_size * mi) / denom;  // param.addcdiv_(m, denom, -step_size)
-        }
-        }, [&](index_t i_begin, index_t i_end) { this->decay_only(params, i_begin, i_end, decay); });
+        this->sweep(grads, live, [&](index_t i_begin, index_t i_end) { update(params, grads, m, v, i_begin, i_end, c); },
+                    [&](index_t i_begin, index_t i_end) { this->decay_only(params, i_begin, i_end, decay); });
     }
 
 private:
+    struct coefficients {
+        T decay, beta1, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size;
+    };
+    // The update of [i_begin, i_end). Buffers and coefficients come in as arguments, not as a lambda's
+    // captures, for the vectoriser (see Speed in the header comment).
+    static void update(T* params, const T* grads, T* m, T* v, index_t i_begin, index_t i_end, const coefficients c) {
+        for (index_t i = i_begin; i < i_end; ++i) {
+            const T g = grads[i];
+            const T p = detail::optim::product(params[i], c.decay);                       // param.mul_(1 - lr*wd)
+            const T mi = detail::optim::fmadd(c.one_minus_beta1, g, m[i] * c.beta1);      // m.mul_(b1).add_(g, 1-b1)
+            const T vi = detail::optim::fmadd(c.one_minus_beta2 * g, g, v[i] * c.beta2);  // v.mul_(b2).addcmul_(g, g, 1-b2)
+            m[i] = mi;
+            v[i] = vi;
+            const T denom = std::sqrt(vi) / c.bias_correction2_sqrt + c.eps;
+            params[i] = p + (c.neg_step_size * mi) / denom;  // param.addcdiv_(m, denom, -step_size)
+        }
+    }
+
     adamw_options o_;
 };
 
@@ -329,23 +367,33 @@ public:
         const T bias_correction2_sqrt = static_cast<T>(std::sqrt(bias_correction2));
         const T eps = static_cast<T>(o_.eps);
         const T neg_step_size = static_cast<T>(-(lr / bias_correction1));
+        const coefficients c{l2, wd, beta1, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size};
         T* m = this->m_.data();
         T* v = this->v_.data();
-        parallel_range(n, n >= detail::optim::elementwise_parallel_threshold, [&](index_t i_begin, index_t i_end) {
-        for (index_t i = i_begin; i < i_end; ++i) {
-            const T p = params[i];
-            const T g = l2 ? detail::optim::fmadd(wd, p, grads[i]) : grads[i];  // grad.add(param, alpha=wd)
-            const T mi = detail::optim::fmadd(one_minus_beta1, g, m[i] * beta1);
-            const T vi = detail::optim::fmadd(one_minus_beta2 * g, g, v[i] * beta2);
-            m[i] = mi;
-            v[i] = vi;
-            const T denom = std::sqrt(vi) / bias_correction2_sqrt + eps;
-            params[i] = p + (neg_step_size * mi) / denom;
-        }
-        });
+        parallel_range(n, n >= detail::optim::elementwise_parallel_threshold,
+                       [&](index_t i_begin, index_t i_end) { update(params, grads, m, v, i_begin, i_end, c); });
     }
 
 private:
+    struct coefficients {
+        bool l2;
+        T wd, beta1, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size;
+    };
+    // The update of [i_begin, i_end), with its buffers and coefficients as arguments (see Speed in
+    // the header comment).
+    static void update(T* params, const T* grads, T* m, T* v, index_t i_begin, index_t i_end, const coefficients c) {
+        for (index_t i = i_begin; i < i_end; ++i) {
+            const T p = params[i];
+            const T g = c.l2 ? detail::optim::fmadd(c.wd, p, grads[i]) : grads[i];  // grad.add(param, alpha=wd)
+            const T mi = detail::optim::fmadd(c.one_minus_beta1, g, m[i] * c.beta1);
+            const T vi = detail::optim::fmadd(c.one_minus_beta2 * g, g, v[i] * c.beta2);
+            m[i] = mi;
+            v[i] = vi;
+            const T denom = std::sqrt(vi) / c.bias_correction2_sqrt + c.eps;
+            params[i] = p + (c.neg_step_size * mi) / denom;
+        }
+    }
+
     adam_options o_;
 };
 
@@ -467,7 +515,15 @@ public:
 
     /// One step at rate lr_t (labml's get_lr(state, group) for t = step_count() + 1).
     void step(T* params, const T* grads, index_t n, double lr_t) {
+        const flat_range all{0, n};
+        step(params, grads, n, lr_t, std::span<const flat_range>(&all, 1));
+    }
+    /// The same step for a gradient known to be +0 outside the sorted, disjoint runs `live` (what
+    /// parameter_set::grad_live_ranges() reports; step(set) passes it): bitwise the same result,
+    /// without reading the gradient of blocks that never had any.
+    void step(T* params, const T* grads, index_t n, double lr_t, std::span<const flat_range> live) {
         detail::optim::check_step(params, grads, n, this->n_, lr_t, "labml_adam");
+        this->check_live(live);
         const std::int64_t t = ++this->step_;
         const double bias_correction1 = 1.0 - std::pow(o_.beta1, static_cast<double>(t));
         const double bias_correction2 = 1.0 - std::pow(o_.beta2, static_cast<double>(t));
@@ -477,23 +533,32 @@ public:
         const T eps = static_cast<T>(o_.eps);
         // step_size = lr * math.sqrt(bias_correction2) / bias_correction1, in that order.
         const T neg_step_size = static_cast<T>(-(lr_t * std::sqrt(bias_correction2) / bias_correction1));
+        const coefficients c{decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, neg_step_size};
         T* m = this->m_.data();
         T* v = this->v_.data();
-        this->sweep(grads, [&](index_t i_begin, index_t i_end) {
-        for (index_t i = i_begin; i < i_end; ++i) {
-            const T g = grads[i];
-            const T p = detail::optim::product(params[i], decay);  // WeightDecay: param.mul_(1 - lr*wd), first
-            const T mi = detail::optim::fmadd(one_minus_beta1, g, m[i] * beta1);
-            const T vi = detail::optim::fmadd(one_minus_beta2 * g, g, v[i] * beta2);
-            m[i] = mi;
-            v[i] = vi;
-            const T denom = std::sqrt(vi) + eps;  // v.sqrt().add_(eps)
-            params[i] = p + (neg_step_size * mi) / denom;
-        }
-        }, [&](index_t i_begin, index_t i_end) { this->decay_only(params, i_begin, i_end, decay); });
+        this->sweep(grads, live, [&](index_t i_begin, index_t i_end) { update(params, grads, m, v, i_begin, i_end, c); },
+                    [&](index_t i_begin, index_t i_end) { this->decay_only(params, i_begin, i_end, decay); });
     }
 
 private:
+    struct coefficients {
+        T decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, neg_step_size;
+    };
+    // The update of [i_begin, i_end), with its buffers and coefficients as arguments (see Speed in
+    // the header comment).
+    static void update(T* params, const T* grads, T* m, T* v, index_t i_begin, index_t i_end, const coefficients c) {
+        for (index_t i = i_begin; i < i_end; ++i) {
+            const T g = grads[i];
+            const T p = detail::optim::product(params[i], c.decay);  // WeightDecay: param.mul_(1 - lr*wd), first
+            const T mi = detail::optim::fmadd(c.one_minus_beta1, g, m[i] * c.beta1);
+            const T vi = detail::optim::fmadd(c.one_minus_beta2 * g, g, v[i] * c.beta2);
+            m[i] = mi;
+            v[i] = vi;
+            const T denom = std::sqrt(vi) + c.eps;  // v.sqrt().add_(eps)
+            params[i] = p + (c.neg_step_size * mi) / denom;
+        }
+    }
+
     labml_adam_options o_;
 };
 
