@@ -5,12 +5,19 @@
 #   tools/install-deps.sh --python   also python3-torch, for the reference scripts under tools/, and
 #                                    libopenblas0-openmp (OpenBLAS's OpenMP build, which
 #                                    benchmarks/compare_pytorch.py puts under torch)
+#   tools/install-deps.sh --blas     also libopenblas-openmp-dev, for cmake -DMNEMO_BLAS=ON (OpenBLAS's
+#                                    OpenMP build with its headers; never the pthread build)
+# The two flags may be given together.
 set -euo pipefail
 
 packages=(build-essential cmake libeigen3-dev libxsimd-dev xtl-dev doctest-dev libbenchmark-dev)
-if [[ "${1:-}" == "--python" ]]; then
-  packages+=(python3-torch python3-numpy libopenblas0-openmp)
-fi
+for arg in "$@"; do
+  case "$arg" in
+    --python) packages+=(python3-torch python3-numpy libopenblas0-openmp) ;;
+    --blas) packages+=(libopenblas-openmp-dev) ;;
+    *) echo "install-deps: unknown option '$arg' (expected --python and/or --blas)" >&2; exit 2 ;;
+  esac
+done
 
 missing=()
 for p in "${packages[@]}"; do

@@ -14,11 +14,52 @@
 // attention products), whose fork/join costs more than the product, and which stall badly whenever
 // another process holds a core. Below parallel_min_work multiply-adds (≈ 20 µs of work) a GEMM runs
 // on the calling thread; inside an OpenMP region it always does.
+//
+// Optional OpenBLAS (cmake -DMNEMO_BLAS=ON: defines MNEMO_USE_BLAS and links OpenBLAS's OpenMP build,
+// Debian's libopenblas-openmp-dev; never the pthread build, whose threads fight OpenMP's). Float and
+// double products of at least blas_min_work = 2^24 multiply-adds, 12 or more on every side, go to
+// cblas_sgemm/cblas_dgemm; everything smaller (the per-head attention products such as 8×152×32 or
+// 128×384×32, the one- and two-row GEMVs of generation, other scalar types) keeps the Eigen path,
+// which is also the whole story without the macro. gemm_*_eigen are that path, always available.
+//   - mnemo still splits the rows of C over the threads (boundaries on multiples of 12 rows, every
+//     block at least 2^23 multiply-adds), one single-threaded OpenBLAS call per block: results are
+//     bitwise the same for any thread count (OpenBLAS's own threading is not: its threaded driver
+//     blocks K differently; below 2^23 its AVX-512 builds switch to "small matrix" and direct-sgemm
+//     kernels that round differently, hence the threshold). Called inside an OpenMP region, OpenBLAS
+//     runs on the calling thread.
+//   - Only when OpenBLAS's kernels are as wide as the code mnemo was compiled for (blas_active(),
+//     checked once): OpenBLAS 0.3.21 takes its AVX-512 Cooperlake kernels on Zen 5 by itself, but
+//     OPENBLAS_CORETYPE=Haswell in the environment (the development VM sets it) gives AVX2 kernels
+//     at 35-44% of the AVX-512 peak, well under Eigen; everything then stays on Eigen.
+//   - OpenBLAS takes its work buffers from its own pool: a steady-state GEMM allocates nothing
+//     (tests/test_gemm_blas.cpp, tests/test_allocations.cpp).
+//   Measured on the 2-core Zen 5 VM, 2 threads, OpenBLAS 0.3.21 with OPENBLAS_CORETYPE=Cooperlake
+//   (bench_kernels --benchmark_filter=gemm.*model: the 17 large products of configurations B and C in
+//   each form, fraction of the measured FP32 peak, medians of 3 runs; min / median / max):
+//     nn  OpenBLAS 0.71 / 0.81 / 0.85   Eigen 0.60 / 0.76 / 0.86
+//     nt  OpenBLAS 0.63 / 0.79 / 0.84   Eigen 0.45 / 0.74 / 0.79
+//     tn  OpenBLAS 0.70 / 0.79 / 0.86   Eigen 0.62 / 0.69 / 0.84
+//   OpenBLAS is ahead on 39 of the 51; it is 5-8 points behind on some long-K products (nn
+//   512×256×3072 and 512×512×1024, nt 256×{256,1024}×1024 and 1024×512×{2048,3072}). bench_models: forward B 72 ms against 81 ms on Eigen, C 232 against
+//   270; training step B 240 against 268, C 813 against 890. Below 2^24 multiply-adds Eigen was as fast
+//   or faster (8×152×32 on one thread: 1.1 µs against 1.8 µs), so the threshold costs nothing.
 #include <omp.h>
 
 #include <Eigen/Core>
 #include <algorithm>
+#include <cctype>
+#include <climits>
+#include <cmath>
+#include <string>
+#include <type_traits>
 #include <vector>
+
+#ifdef MNEMO_USE_BLAS
+#include <cblas.h>
+#ifndef OPENBLAS_VERSION
+#error "MNEMO_USE_BLAS: <cblas.h> is not OpenBLAS's (netlib's has no OPENBLAS_VERSION); put OpenBLAS's include directory first (CMake: -DMNEMO_BLAS=ON does)"
+#endif
+#endif
 
 #include "../../core/shape.hpp"
 
@@ -138,10 +179,10 @@ struct gemm {
         }
     }
 
-    /// C[M,N] = beta·C + alpha·A[M,K]·B[K,N]
+    /// gemm_nn on the Eigen path, whatever MNEMO_USE_BLAS says.
     template <class T>
-    static void gemm_nn(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
-                        index_t ldc, T beta = T(0), T alpha = T(1)) {
+    static void gemm_nn_eigen(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb,
+                              T* c, index_t ldc, T beta = T(0), T alpha = T(1)) {
         if (m == 0 || n == 0) return;
         if (m <= gemv_max_rows) {
             for (index_t i = 0; i < m; ++i) gemv<true>(n, k, b, ldb, a + i * lda, 1, c + i * ldc, beta, alpha);
@@ -153,10 +194,10 @@ struct gemm {
         });
     }
 
-    /// C[M,N] = beta·C + alpha·A[M,K]·B[N,K]ᵀ
+    /// gemm_nt on the Eigen path, whatever MNEMO_USE_BLAS says.
     template <class T>
-    static void gemm_nt(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
-                        index_t ldc, T beta = T(0), T alpha = T(1)) {
+    static void gemm_nt_eigen(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb,
+                              T* c, index_t ldc, T beta = T(0), T alpha = T(1)) {
         if (m == 0 || n == 0) return;
         if (m <= gemv_max_rows) {
             for (index_t i = 0; i < m; ++i) gemv<false>(n, k, b, ldb, a + i * lda, 1, c + i * ldc, beta, alpha);
@@ -168,10 +209,10 @@ struct gemm {
         });
     }
 
-    /// C[M,N] = beta·C + alpha·A[K,M]ᵀ·B[K,N]
+    /// gemm_tn on the Eigen path, whatever MNEMO_USE_BLAS says.
     template <class T>
-    static void gemm_tn(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
-                        index_t ldc, T beta = T(0), T alpha = T(1)) {
+    static void gemm_tn_eigen(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb,
+                              T* c, index_t ldc, T beta = T(0), T alpha = T(1)) {
         if (m == 0 || n == 0) return;
         if (m <= gemv_max_rows) {  // row i of C is Bᵀ·(column i of A)
             for (index_t i = 0; i < m; ++i) gemv<true>(n, k, b, ldb, a + i, lda, c + i * ldc, beta, alpha);
@@ -182,6 +223,142 @@ struct gemm {
                                                       c + m0 * ldc + n0, ldc, beta, alpha);
         });
     }
+
+    /// C[M,N] = beta·C + alpha·A[M,K]·B[K,N]
+    template <class T>
+    static void gemm_nn(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
+                        index_t ldc, T beta = T(0), T alpha = T(1)) {
+#ifdef MNEMO_USE_BLAS
+        if (use_blas<T>(m, n, k) && lda >= k && ldb >= n && ldc >= n) {
+            blas_gemm(CblasNoTrans, CblasNoTrans, m, n, k, a, lda, b, ldb, c, ldc, beta, alpha);
+            return;
+        }
+#endif
+        gemm_nn_eigen(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha);
+    }
+
+    /// C[M,N] = beta·C + alpha·A[M,K]·B[N,K]ᵀ
+    template <class T>
+    static void gemm_nt(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
+                        index_t ldc, T beta = T(0), T alpha = T(1)) {
+#ifdef MNEMO_USE_BLAS
+        if (use_blas<T>(m, n, k) && lda >= k && ldb >= k && ldc >= n) {
+            blas_gemm(CblasNoTrans, CblasTrans, m, n, k, a, lda, b, ldb, c, ldc, beta, alpha);
+            return;
+        }
+#endif
+        gemm_nt_eigen(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha);
+    }
+
+    /// C[M,N] = beta·C + alpha·A[K,M]ᵀ·B[K,N]
+    template <class T>
+    static void gemm_tn(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
+                        index_t ldc, T beta = T(0), T alpha = T(1)) {
+#ifdef MNEMO_USE_BLAS
+        if (use_blas<T>(m, n, k) && lda >= m && ldb >= n && ldc >= n) {
+            blas_gemm(CblasTrans, CblasNoTrans, m, n, k, a, lda, b, ldb, c, ldc, beta, alpha);
+            return;
+        }
+#endif
+        gemm_tn_eigen(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha);
+    }
+
+#ifdef MNEMO_USE_BLAS
+    /// Multiply-adds from which a float/double GEMM goes to OpenBLAS (2^24 ≈ 16.8M), and the least
+    /// any one thread's block of rows gets (2^23). Below 2^23 OpenBLAS 0.3.21's AVX-512 builds switch
+    /// to other kernels (the "small matrix" kernels below 100³, the direct sgemm below 28·512² for
+    /// nn with alpha 1, beta 0), which round differently; with every block above that, a product
+    /// gives the same bits whether it runs as one block or as several.
+    static constexpr double blas_min_work = double(1 << 24);
+    static constexpr double blas_min_block_work = double(1 << 23);
+    /// Block boundaries are multiples of this many rows of C: OpenBLAS computes a row-major C as its
+    /// transpose and walks C's rows in chunks of 3 (Haswell kernels: 12 floats) or 6 (AVX-512: 24)
+    /// times its kernel's width, and a boundary inside such a chunk changes which kernel path some
+    /// rows take; 12 keeps every boundary aligned for the kernels measured (Haswell, SkylakeX,
+    /// Cooperlake: any multiple of 4 does for the AVX-512 ones).
+    static constexpr index_t blas_row_step = 12;
+
+    /// Whether the OpenBLAS that was loaded is worth calling: its kernels must be as wide as the
+    /// code mnemo was compiled for. OpenBLAS 0.3.21 (Debian 12) does not know Zen 4/5 and takes its
+    /// AVX2 Haswell kernels there, half as fast as Eigen's AVX-512 path; OPENBLAS_CORETYPE=SkylakeX
+    /// (or Cooperlake) in the environment gives its AVX-512 kernels. Checked once per process.
+    static bool blas_active() {
+        static const bool active = [] {
+#ifdef __AVX512F__
+            std::string core = openblas_get_corename();
+            for (auto& ch : core) ch = char(std::tolower(static_cast<unsigned char>(ch)));
+            return core.find("skylakex") != std::string::npos || core.find("cooperlake") != std::string::npos ||
+                   core.find("sapphirerapids") != std::string::npos;
+#else
+            return true;
+#endif
+        }();
+        return active;
+    }
+
+    /// OpenBLAS's name for the kernels it picked (e.g. "Haswell", "SkylakeX").
+    static const char* blas_core() { return openblas_get_corename(); }
+
+    template <class T>
+    static bool use_blas(index_t m, index_t n, index_t k) {
+        if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+            return std::min({m, n, k}) >= blas_row_step && std::max({m, n, k}) <= INT_MAX / 2 &&
+                   double(m) * double(n) * double(k) >= blas_min_work && blas_active();
+        } else {
+            return false;
+        }
+    }
+
+    static void blas_call(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, index_t m, index_t n, index_t k, const float* a,
+                          index_t lda, const float* b, index_t ldb, float* c, index_t ldc, float beta, float alpha) {
+        cblas_sgemm(CblasRowMajor, ta, tb, blasint(m), blasint(n), blasint(k), alpha, a, blasint(lda), b, blasint(ldb),
+                    beta, c, blasint(ldc));
+    }
+    static void blas_call(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, index_t m, index_t n, index_t k, const double* a,
+                          index_t lda, const double* b, index_t ldb, double* c, index_t ldc, double beta, double alpha) {
+        cblas_dgemm(CblasRowMajor, ta, tb, blasint(m), blasint(n), blasint(k), alpha, a, blasint(lda), b, blasint(ldb),
+                    beta, c, blasint(ldc));
+    }
+
+    /// One block of rows per thread, each a single-threaded OpenBLAS call (OpenBLAS's OpenMP build
+    /// runs on one thread inside a parallel region). mnemo splits rather than letting OpenBLAS thread
+    /// the product itself: OpenBLAS's own split changes the results with the thread count (a
+    /// different K blocking in its threaded driver) and was slower here (57-72% of peak against
+    /// 78-86% at 1024×256×256).
+    template <class T>
+    static void blas_gemm(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, index_t m, index_t n, index_t k, const T* a,
+                          index_t lda, const T* b, index_t ldb, T* c, index_t ldc, T beta, T alpha) {
+        const double work = double(m) * double(n) * double(k);
+        int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+        threads = int(std::min<double>(threads, std::floor(work / blas_min_block_work)));
+        threads = int(std::min<index_t>(threads, m / blas_row_step));
+        auto rows = [&](index_t m0, index_t m1) {
+            const T* ab = ta == CblasNoTrans ? a + m0 * lda : a + m0;
+            blas_call(ta, tb, m1 - m0, n, k, ab, lda, b, ldb, c + m0 * ldc, ldc, beta, alpha);
+        };
+        if (threads <= 1) {
+            // Outside a parallel region OpenBLAS would thread the call over omp_get_max_threads():
+            // that setting is the calling thread's own, so lower it for this call only.
+            const int saved = omp_get_max_threads();
+            if (saved > 1 && !omp_in_parallel()) omp_set_num_threads(1);
+            rows(0, m);
+            if (saved > 1 && !omp_in_parallel()) omp_set_num_threads(saved);
+            return;
+        }
+        // Boundaries at the multiple of blas_row_step nearest to t·m/threads.
+        auto bound = [&](index_t t) {
+            if (t >= threads) return m;
+            const index_t x = t * m / threads;
+            return (x + blas_row_step / 2) / blas_row_step * blas_row_step;
+        };
+#pragma omp parallel num_threads(threads)
+        {
+            const index_t t = omp_get_thread_num();
+            const index_t b0 = bound(t), b1 = bound(t + 1);
+            if (b0 < b1) rows(b0, b1);
+        }
+    }
+#endif
 };
 
 }  // namespace mnemo::cpu_kernels
