@@ -141,6 +141,7 @@ void BM_generate(benchmark::State& state, shape s, bool cached = true) {
     model_t<Cfg> model({.vocab = s.vocab, .n_layers = s.n_layers, .d_ff = s.d_ff});
     model.reset_parameters(1);
     model.cache_memory_projections(cached);
+    model.set_grad_enabled(false);  // inference, like the reference's torch.no_grad()
     auto mem = model.make_memory(s.mem, s.c_mem);
     mem.reset(1, s.seq);
     shape one = s;

@@ -5,6 +5,7 @@
 // second memory object.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <vector>
 
 #include <mnemo/mnemo.hpp>
@@ -32,14 +33,17 @@ double max_diff(mnemo::view<const T, mnemo::dynamic> a, mnemo::view<const T, mne
     return m;
 }
 
+// no_grad: the cached model generates with gradients disabled (it then normalises only the memory rows
+// it does not reuse) and enables them for its training step.
 template <class T>
-void run_twins(double tolerance) {
+void run_twins(double tolerance, bool no_grad = false) {
     const mnemo::index_t vocab = 11, batch = 2;
     const mnemo::compressive_options o{.vocab = vocab, .n_layers = 3, .d_ff = 24, .n_pos = 64};
     model_t<T> cached(o), plain(o);
     cached.reset_parameters(9);
     plain.reset_parameters(9);
     cached.cache_memory_projections(true);
+    cached.set_grad_enabled(!no_grad);
     auto mem_c = cached.make_memory(6, 4), mem_p = plain.make_memory(6, 4);
     mem_c.reset(batch, 4);
     mem_p.reset(batch, 4);
@@ -63,7 +67,9 @@ void run_twins(double tolerance) {
         if (round == 0) {  // a training step changes every parameter: the cache must not be used after it
             const auto t = tokens(seed++, std::size_t(2 * batch), vocab), y = tokens(seed++, std::size_t(2 * batch), vocab);
             for (auto* m : {&cached, &plain}) m->parameters().zero_grad();
+            cached.set_grad_enabled(true);
             cached.train_segment(t, y, batch, mem_c);
+            cached.set_grad_enabled(!no_grad);
             plain.train_segment(t, y, batch, mem_p);
             opt_c.step(cached.parameters());
             opt_p.step(plain.parameters());
@@ -78,6 +84,31 @@ void run_twins(double tolerance) {
 
 TEST_CASE("generation cache: logits equal the uncached model's (double)") { run_twins<double>(1e-12); }
 TEST_CASE("generation cache: logits equal the uncached model's (float)") { run_twins<float>(2e-5); }
+
+TEST_CASE("generation cache: with gradients disabled, logits equal the uncached model's") {
+    run_twins<double>(1e-12, true);
+    run_twins<float>(2e-5, true);
+}
+
+TEST_CASE("set_grad_enabled(false): backward and train_segment after such a forward are errors") {
+    const mnemo::index_t vocab = 7, batch = 2;
+    const mnemo::compressive_options o{.vocab = vocab, .n_layers = 2, .d_ff = 8, .n_pos = 32};
+    model_t<double> model(o);
+    model.reset_parameters(4);
+    auto mem = model.make_memory(4, 2);
+    mem.reset(batch, 2);
+    const auto t = tokens(5, 2 * batch, vocab), y = tokens(6, 2 * batch, vocab);
+    model.set_grad_enabled(false);
+    CHECK_FALSE(model.grad_enabled());
+    model.forward(t, batch, mem);
+    model.cross_entropy(y, true);
+    CHECK_THROWS_WITH_AS(model.backward(t), doctest::Contains("gradients disabled"), mnemo::error);
+    CHECK_THROWS_WITH_AS(model.train_segment(t, y, batch, mem), doctest::Contains("gradients disabled"), mnemo::error);
+    model.set_grad_enabled(true);
+    model.parameters().zero_grad();
+    const auto losses = model.train_segment(t, y, batch, mem);
+    CHECK(std::isfinite(losses.ce));
+}
 
 TEST_CASE("generation cache: a parameter written through values() is seen") {
     const mnemo::index_t vocab = 7;

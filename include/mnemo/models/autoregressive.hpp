@@ -264,13 +264,18 @@ public:
                     end_token.value_or(0), " is outside the vocabulary [0, ", model_.vocab(), ")");
         gen_mem_.reset(1, seg_len_);
         // The model's generation cache (projected memory keys and values kept between tokens) is on
-        // while generating, and put back as it was afterwards, even on an exception.
+        // and its gradients off while generating, both put back as they were afterwards, even on an
+        // exception.
         struct cache_scope {
             Model& m;
-            bool was;
-            ~cache_scope() { m.cache_memory_projections(was); }
-        } scope{model_, model_.caches_memory_projections()};
+            bool was, grad;
+            ~cache_scope() {
+                m.cache_memory_projections(was);
+                if constexpr (requires { m.set_grad_enabled(grad); }) m.set_grad_enabled(grad);
+            }
+        } scope{model_, model_.caches_memory_projections(), grad_enabled(model_)};
         model_.cache_memory_projections(true);
+        if constexpr (requires { model_.set_grad_enabled(false); }) model_.set_grad_enabled(false);
         const std::size_t seg = std::size_t(seg_len_);
         for (std::size_t i = 0; i < prime.size(); i += seg) {
             model_.forward(prime.subspan(i, std::min(seg, prime.size() - i)), 1, gen_mem_);
@@ -299,6 +304,11 @@ public:
     const memory_type& generation_memory() const { return gen_mem_; }
 
 private:
+    /// The model's gradient setting (models without one always compute what backward needs).
+    static bool grad_enabled(const Model& m) {
+        if constexpr (requires { m.grad_enabled(); }) return m.grad_enabled();
+        else return true;
+    }
     static index_t check_seg_len(index_t seg_len) {
         MNEMO_CHECK(seg_len >= 1, "autoregressive_wrapper: seg_len must be at least 1, got ", seg_len);
         return seg_len;

@@ -133,17 +133,42 @@ public:
     /// `reuse` names memory positions whose keys and values the attention may keep from the last call.
     void forward(view<const T, DM, Backend> x, view<const T, DM, Backend> c_mem, view<const T, DM, Backend> mem,
                  index_t batch, view<T, DM, Backend> y, const kv_reuse& reuse = {}) {
+        forward_grad_ = grad_enabled_;
         if (options_.norm == norm_kind::post) return forward_post(x, c_mem, mem, batch, y, reuse);
-        const index_t qb = x.rows(), lb = c_mem.rows() + mem.rows(), kb = lb + qb;
+        const index_t qb = x.rows(), lc = c_mem.rows(), lb = lc + mem.rows(), kb = lb + qb;
         batch_ = batch;
         mem_rows_ = lb;
-        // kv_in = [c_mem, mem, x], oldest first.
-        view<T, DM, Backend> kv_in(kv_in_.ensure(kb * D), kb), z(z_.ensure(kb * D), kb);
-        K::copy(c_mem.rows(), D, c_mem.data(), c_mem.ld(), kv_in.data(), D);
-        K::copy(mem.rows(), D, mem.data(), mem.ld(), kv_in.row(c_mem.rows()), D);
-        K::copy(qb, D, x.data(), x.ld(), kv_in.row(lb), D);
-        const norm_stats<T> st{mean_.ensure(kb), rstd_.ensure(kb)};
-        norm_self_attn_.forward(kv_in, z, st);
+        // z = LN([c_mem, mem, x]), oldest first. The memory rows need no input gradient, only their
+        // normalised values ẑ (the norm's parameter gradients, frozen_key_rows): they are normalised
+        // straight from the memory, ẑ kept. The segment's rows are kept with their statistics.
+        // Without gradients (generation), the rows whose keys and values the attention reuses are
+        // not read at all: only the others are normalised.
+        view<T, DM, Backend> x_in(kv_in_.ensure(qb * D), qb), z(z_.ensure(kb * D), kb), zhat(zhat_.ensure(lb * D), lb);
+        auto normalise_part = [&](view<const T, DM, Backend> src, index_t first, index_t b0, index_t b1) {
+            if (b0 >= b1) return;  // rows [b0, b1) of z, from src, which holds z's rows from `first` on
+            const auto in = src.row_range(b0 - first, b1 - b0);
+            if (grad_enabled_) norm_self_attn_.forward_normalized(in, z.row_range(b0, b1 - b0), zhat.row_range(b0, b1 - b0));
+            else norm_self_attn_.forward(in, z.row_range(b0, b1 - b0), norm_stats<T>{});
+        };
+        auto normalise = [&](index_t r0, index_t r1) {  // memory rows [r0, r1) of [c_mem, mem]
+            normalise_part(c_mem, 0, r0, std::min(r1, lc));
+            normalise_part(mem, lc, std::max(r0, lc), r1);
+        };
+        if (grad_enabled_ || !reuse.n) {
+            normalise(0, lb);
+        } else {
+            index_t at = 0;  // the positions outside the reused spans (at most two, in either order)
+            const auto* sp = reuse.spans;
+            const bool swap = reuse.n == 2 && sp[1].dst < sp[0].dst;
+            for (index_t i = 0; i <= reuse.n; ++i) {
+                const kv_reuse::span* cur = i < reuse.n ? &sp[swap ? 1 - i : i] : nullptr;
+                const index_t end = cur ? cur->dst : lb / batch;
+                if (end > at) normalise(at * batch, end * batch);
+                if (cur) at = std::max(at, cur->dst + cur->len);
+            }
+        }
+        K::copy(qb, D, x.data(), x.ld(), x_in.data(), D);
+        norm_self_attn_.forward(x_in, z.row_range(lb, qb), norm_stats<T>{mean_.ensure(qb), rstd_.ensure(qb)});
 
         view<T, DM, Backend> a(attn_out_.ensure(qb * D), qb), x_mid(x_mid_.ensure(qb * D), qb),
             z2(z2_.ensure(qb * D), qb), f(ff_out_.ensure(qb * D), qb);
@@ -157,9 +182,11 @@ public:
     /// dx [Q·B, D] (assigned) from dy; parameter gradients +=. The memory gets no gradient
     /// (stop-gradient), but the attention norm's parameters do get the memory rows' share.
     void backward(view<const T, DM, Backend> dy, view<T, DM, Backend> dx) {
+        MNEMO_CHECK(forward_grad_, "compressive_layer: backward after a forward with gradients disabled "
+                    "(set_grad_enabled(false)); run forward again with gradients enabled");
         if (options_.norm == norm_kind::post) return backward_post(dy, dx);
         const index_t qb = dy.rows(), lb = mem_rows_, kb = lb + qb;
-        const view<T, DM, Backend> kv_in(kv_in_.data(), kb), z(z_.data(), kb), x_mid(x_mid_.data(), qb),
+        const view<T, DM, Backend> x_in(kv_in_.data(), qb), z(z_.data(), kb), x_mid(x_mid_.data(), qb),
             z2(z2_.data(), qb);
         view<T, DM, Backend> d_mid(d_mid_.ensure(qb * D), qb), dz2(dz2_.ensure(qb * D), qb), dz(dz_.ensure(kb * D), kb);
         // y = x' + FFN(LN_ff(x'))   (or gate_ff(x', FFN(LN_ff(x'))))
@@ -180,15 +207,14 @@ public:
             da = dsub;
         }
         // z = LN([cm, m, x]): the memory rows need no input gradient, only the norm's parameter
-        // gradients, which the attention takes from their normalised values ẑ (frozen_key_rows).
-        T* zhat = zhat_.ensure(lb * D);
-        K::layer_norm_normalize(lb, D, kv_in.data(), D, mean_.data(), rstd_.data(), zhat, D);
-        const frozen_key_rows<T> frozen{lb, zhat, D, norm_self_attn_.weight().value(), norm_self_attn_.bias().value(),
-                                        norm_self_attn_.weight().grad(), norm_self_attn_.bias().grad()};
+        // gradients, which the attention takes from their normalised values ẑ (saved by forward).
+        const frozen_key_rows<T> frozen{lb, zhat_.data(), D, norm_self_attn_.weight().value(),
+                                        norm_self_attn_.bias().value(), norm_self_attn_.weight().grad(),
+                                        norm_self_attn_.bias().grad()};
         self_attn_.backward(z.row_range(lb, qb), z, da, dz.row_range(lb, qb), dz, /*accumulate_dq=*/true, frozen);
         if (!gate_attn_) residual<T, DM, Backend>::backward(view<const T, DM, Backend>(d_mid), dx, view<T, DM, Backend>());
-        norm_self_attn_.backward(kv_in.row_range(lb, qb), dz.row_range(lb, qb), dx,
-                                 norm_stats<T>{mean_.data() + lb, rstd_.data() + lb}, /*accumulate_dx=*/true);
+        norm_self_attn_.backward(x_in, dz.row_range(lb, qb), dx, norm_stats<T>{mean_.data(), rstd_.data()},
+                                 /*accumulate_dx=*/true);
     }
 
     /// Whether this layer keeps memory (and has a compression function).
@@ -200,6 +226,8 @@ public:
     /// relative_attention::set_memory_attention and keep_projections.
     void set_memory_attention(memory_attention mode) { self_attn_.set_memory_attention(mode); }
     void keep_projections(bool on) { self_attn_.keep_projections(on); }
+    /// Off: forward saves nothing for backward that it would not read itself (backward is then an error).
+    void set_grad_enabled(bool on) { grad_enabled_ = on; }
     const compressive_layer_options& options() const { return options_; }
     compression_type& compress() {
         MNEMO_CHECK(compress_.has_value(), "compressive_layer: this layer keeps no memory and has no compression function");
@@ -288,6 +316,7 @@ private:
     std::optional<gate_type> gate_attn_, gate_ff_;  // residual_kind::gru only
     std::optional<decoder_type> decoder_;           // reconstruction_kind::autoencoding, memory layers only
     index_t batch_ = 0, mem_rows_ = 0;
+    bool grad_enabled_ = true, forward_grad_ = true;  // the setting, and the one the last forward ran with
     buffer<T> kv_in_, z_, zhat_, mean_, rstd_, attn_out_, x_mid_, z2_, ff_out_, d_mid_, dz2_, dz_, d_sub_;
 };
 
@@ -416,6 +445,15 @@ public:
         for (auto& l : layers_) l.set_memory_attention(mode);
     }
     bool caches_memory_projections() const { return cache_projections_; }
+    /// Gradients enabled (the default): forward saves what backward needs. Off, for inference
+    /// (generation, evaluation): forward skips that work (with the generation cache on, the memory
+    /// rows whose projections it reuses are not even normalised), and backward or train_segment
+    /// after such a forward is an error. Logits and losses are the same either way.
+    void set_grad_enabled(bool on) {
+        grad_enabled_ = on;
+        for (auto& l : layers_) l.set_grad_enabled(on);
+    }
+    bool grad_enabled() const { return grad_enabled_; }
 
     /// A memory for this model: mem_len uncompressed and c_mem_len compressed slots (0: Transformer-XL),
     /// for each memory layer (memory_layers(); slot s holds layer memory_layers()[s]).
@@ -440,6 +478,7 @@ public:
         for (auto& x : xs_) x.ensure(rows * D);
         prepare_padding(mem, batch, rows);
         const kv_reuse reuse = memory_reuse(mem, batch);
+        forward_grad_ = grad_enabled_;
         embed_.forward(tokens, x(0));
         for (index_t l = 0; l < options_.n_layers; ++l) {
             const index_t s = memory_slot_[std::size_t(l)];
@@ -547,6 +586,8 @@ public:
     /// Parameter gradients += d CE / d θ through the whole model (after cross_entropy(..., true)).
     void backward(std::span<const token_t> tokens) {
         MNEMO_CHECK(has_d_logits_, "compressive_transformer: backward needs cross_entropy(targets, true) first");
+        MNEMO_CHECK(forward_grad_, "compressive_transformer: backward after a forward with gradients disabled "
+                    "(set_grad_enabled(false)); run forward again with gradients enabled");
         const index_t rows = rows_, v = options_.vocab;
         view<T, DM, Backend> hn(hn_.data(), rows), dhn(dhn_.ensure(rows * D), rows);
         view<T, DM, Backend> d0(dx_[0].ensure(rows * D), rows), d1(dx_[1].ensure(rows * D), rows);
@@ -564,6 +605,8 @@ public:
     /// Parameter gradients +=; the caller zeroes them, clips and steps the optimizer.
     segment_losses train_segment(std::span<const token_t> tokens, std::span<const token_t> targets, index_t batch,
                                  memory_type& mem) {
+        MNEMO_CHECK(grad_enabled_, "compressive_transformer: train_segment with gradients disabled "
+                    "(set_grad_enabled(false)); enable them first");
         forward(tokens, batch, mem);
         segment_losses out;
         out.compressed = update_memory(mem);
@@ -741,7 +784,7 @@ private:
         std::int64_t c_first = 0, m_first = 0;
         index_t c_slots = 0, m_slots = 0, q = 0, batch = 0;
     };
-    bool cache_projections_ = false;
+    bool cache_projections_ = false, grad_enabled_ = true, forward_grad_ = true;
     projected_memory last_;
 
     /// Key positions of this forward ([c_mem, mem, segment]) already projected by the last one: the

@@ -51,6 +51,19 @@ public:
         K::layer_norm_forward(x.rows(), static_cast<index_t>(D), x.data(), x.ld(), weight_.value(), bias_.value(),
                               eps_, y.data(), y.ld(), stats.mean, stats.rstd);
     }
+    /// y = LN(x), and its normalised rows x̂ = (x − μ)·r (before the scale and shift) into xhat, in one
+    /// pass; no statistics kept (for rows that need no input gradient: only dw, db read x̂).
+    template <view_of<T> X, view_of<T> Y, view_of<T> XH>
+    void forward_normalized(const X& x, const Y& y, const XH& xhat) const {
+        static_assert(check_view<D, X, axis::d_model, Backend>());
+        static_assert(check_view<D, Y, axis::d_model, Backend>());
+        static_assert(check_view<D, XH, axis::d_model, Backend>());
+        check_rows(x, y, "layer_norm", "x", "y");
+        check_rows(x, xhat, "layer_norm", "x", "xhat");
+        K::layer_norm_forward(x.rows(), static_cast<index_t>(D), x.data(), x.ld(), weight_.value(), bias_.value(),
+                              eps_, y.data(), y.ld(), static_cast<T*>(nullptr), static_cast<T*>(nullptr), xhat.data(),
+                              xhat.ld());
+    }
     /// y = LN(x), statistics saved in the module's own buffers.
     template <view_of<T> X, view_of<T> Y>
     void forward(const X& x, const Y& y) {

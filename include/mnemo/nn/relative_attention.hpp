@@ -255,6 +255,8 @@ public:
         MNEMO_CHECK(zq.rows() == q_len_ * batch_ && zkv.rows() == k_len_ * batch_,
                     "relative_attention '", name_, "': backward shapes differ from the last forward");
         const index_t qb = q_len_ * batch_, kb = k_len_ * batch_, w = window();
+        MNEMO_CHECK(frozen.rows >= 0 && frozen.rows <= kb - qb, "relative_attention '", name_, "': ", frozen.rows,
+                    " frozen key rows, but only ", kb - qb, " rows precede the queries");
         const view<T, d_model, Backend> q(q_.data(), qb), qu(qu_.data(), qb), ctx(ctx_.data(), qb);
         const T* kv = kv_.data();
         T* dkv = dkv_.ensure(kb * 2 * D);  // row r: [dk_r, dv_r]
@@ -302,7 +304,8 @@ public:
                 for (index_t bh = bh_begin; bh < bh_end; ++bh) head(bh / H, bh % H);
             });
         } else {
-            absorbed_backward(zkv.data(), zkv.ld(), qu.data(), d_ctx.data(), d_scores, dqu.data(), head);
+            absorbed_backward(zkv.data(), zkv.ld(), qu.data(), d_ctx.data(), d_scores, dqu.data(), head, frozen,
+                              d_zkv.data(), d_zkv.ld());
         }
 
         // Per head: dq = d_pos·R_win, dR_win += d_posᵀ·q, dS_win += column sums of d_pos.
@@ -322,14 +325,11 @@ public:
         K::sum_rows_accumulate(qb, D, dqu.data(), D, u_.grad());        // du = Σ rows d(q+u)
         K::add(qb, D, dq.data(), D, dqu.data(), D, dq.data(), D);        // dq = d(q+u) + positional part
 
-        MNEMO_CHECK(frozen.rows >= 0 && frozen.rows <= kb - qb, "relative_attention '", name_, "': ", frozen.rows,
-                    " frozen key rows, but only ", kb - qb, " rows precede the queries");
         if (absorb) {
-            // The segment's rows as usual; the memory's d z rows are in dz_mem_ (absorbed_backward).
+            // The segment's rows as usual (absorbed_backward took care of the memory's).
             const index_t lb = mem * batch_;
             project_kv_backward(kb - lb, zkv.data() + lb * zkv.ld(), zkv.ld(), dkv + lb * 2 * D,
                                 d_zkv.data() ? d_zkv.data() + lb * d_zkv.ld() : nullptr, d_zkv.ld());
-            absorbed_memory_input_grads(frozen, lb, d_zkv.data(), d_zkv.ld());
         } else if (frozen.rows > 0) {
             const index_t fr = frozen.rows;
             project_kv_backward(kb - fr, zkv.data() + fr * zkv.ld(), zkv.ld(), dkv + fr * 2 * D,
@@ -493,16 +493,24 @@ private:
     }
 
     /// Backward of absorbed_forward: dW_k, dW_v, db_v and d(q+u) from the memory's share, head(b, h)
-    /// per head, and d ẑ of the memory rows into dz_mem_ [M·B, D] (absorbed_memory_input_grads).
+    /// per head, and the memory rows' d z, consumed batch element by batch element as it is formed
+    /// (absorbed_memory_input_grads): the frozen rows' norm gradients, the others' d_zkv rows.
     template <class Head>
-    void absorbed_backward(const T* z, index_t ldz, const T* qu, const T* d_ctx, T* d_scores, T* dqu, Head& head) {
-        const index_t qb = q_len_ * batch_, mem = k_len_ - q_len_, hq = H * q_len_;
+    void absorbed_backward(const T* z, index_t ldz, const T* qu, const T* d_ctx, T* d_scores, T* dqu, Head& head,
+                           const frozen_key_rows<T>& frozen, T* d_zkv, index_t ld_dzkv) {
+        const index_t qb = q_len_ * batch_, mem = k_len_ - q_len_, hq = H * q_len_, lb = mem * batch_;
         const index_t ldb = batch_ * D, ldzb = batch_ * ldz;
         const T *wk = key_.weight().value(), *wv = value_.weight().value(), *bv = value_.bias().value();
         T *gk = key_.weight().grad(), *gv = value_.weight().grad(), *gbv = value_.bias().grad();
         const T *attn = attn_.data(), *qt = qt_.data(), *ut = ut_.data(), *rs = row_mass_.data();
-        T *dut = dut_.ensure(H * qb * D), *dqt = dqt_.ensure(H * qb * D), *dzm = dz_mem_.ensure(mem * batch_ * D);
+        T *dut = dut_.ensure(H * qb * D), *dqt = dqt_.ensure(H * qb * D);
         T* dc = d_bias_score_.ensure(batch_ * hq);
+        // d z of the memory rows is needed for the frozen rows' norm gradients and for the rows that
+        // are not frozen; frozen raw rows (no norm) need nothing. One [M, D] block per thread.
+        const bool norm_rows = frozen.rows > 0 && frozen.zhat, open_rows = frozen.rows < lb && d_zkv;
+        const index_t slots = std::min<index_t>(index_t(omp_get_max_threads()), batch_);
+        T* dz_blocks = (norm_rows || open_rows) ? dz_mem_.ensure(slots * mem * D) : nullptr;
+        T* norm_partial = norm_rows ? norm_acc_.ensure(batch_ * 2 * D) : nullptr;  // [B, 2D]: Σ dz∘ẑ, Σ dz
         for_each_head(2 * qb * D * Dk, [&](index_t h) {
             K::gemm_nn(qb, D, Dk, d_ctx + h * Dk, D, wv + h * Dk * D, D, dut + h * qb * D, D);       // dU_h
             K::gemm_tn(Dk, D, qb, d_ctx + h * Dk, D, ut + h * qb * D, D, gv + h * Dk * D, D, T(1));  // dW_v,h
@@ -521,6 +529,8 @@ private:
                     dc[b * hq + h * q_len_ + i] = dot;
                 }
         parallel_range(batch_, worth_threads(), [&](index_t b0, index_t b1) {
+            // The whole range on one call: any block will do; otherwise this thread's own.
+            T* dzb = dz_blocks ? dz_blocks + (b1 - b0 == batch_ ? 0 : omp_get_thread_num()) * mem * D : nullptr;
             for (index_t b = b0; b < b1; ++b) {
                 const T* zb = z + b * ldz;
                 const T* ab = attn + b * hq * k_len_;
@@ -532,39 +542,51 @@ private:
                     for (index_t j = 0; j < mem; ++j) dr[j] += c;
                 }
                 for (index_t h = 0; h < H; ++h) head(b, h);  // d raw scores from here on
-                K::gemm_nn(hq, D, mem, dsb, k_len_, zb, ldzb, dqt + b * D, ldb);                // d q̃
-                K::gemm_tn(mem, D, hq, dsb, k_len_, qt + b * D, ldb, dzm + b * D, ldb);           // d ẑ = dSᵀ·q̃
-                K::gemm_tn(mem, D, hq, ab, k_len_, dut + b * D, ldb, dzm + b * D, ldb, T(1));     //    + Aᵀ·dU
+                K::gemm_nn(hq, D, mem, dsb, k_len_, zb, ldzb, dqt + b * D, ldb);  // d q̃
+                if (!dzb) continue;
+                K::gemm_tn(mem, D, hq, dsb, k_len_, qt + b * D, ldb, dzb, D);          // d z = dSᵀ·q̃
+                K::gemm_tn(mem, D, hq, ab, k_len_, dut + b * D, ldb, dzb, D, T(1));    //     + Aᵀ·dU
+                absorbed_memory_input_grads(frozen, b, dzb, norm_partial ? norm_partial + b * 2 * D : nullptr, d_zkv,
+                                            ld_dzkv);
             }
         });
+        if (norm_partial) {  // in batch order, whatever the threads
+            for (index_t b = 0; b < batch_; ++b) {
+                const T* p = norm_partial + b * 2 * D;
+                for (index_t i = 0; i < D; ++i) {
+                    frozen.dgamma[i] += p[i];
+                    frozen.dbeta[i] += p[D + i];
+                }
+            }
+        }
         for_each_head(2 * qb * D * Dk, [&](index_t h) {
             K::gemm_nt(qb, Dk, D, dqt + h * qb * D, D, wk + h * Dk * D, D, dqu + h * Dk, D, T(1));   // d(q+u)_h
             K::gemm_tn(Dk, D, qb, qu + h * Dk, D, dqt + h * qb * D, D, gk + h * Dk * D, D, T(1));    // dW_k,h
         });
     }
 
-    /// The memory rows' d z after absorbed_backward: the frozen ones (frozen_key_rows) give the layer
-    /// norm's parameter gradients when they are its outputs (dγ += Σ dz∘ẑ, dβ += Σ dz) and nothing
-    /// otherwise; the others are written to d_zkv.
-    void absorbed_memory_input_grads(const frozen_key_rows<T>& f, index_t lb, T* d_zkv, index_t ld) {
-        const T* dzm = dz_mem_.data();
-        if (f.rows > 0 && f.zhat) {
-            T* acc = norm_acc_.ensure(2 * D);
+    /// Batch element b's memory rows' d z, dzb [M, D] (row j is key row j·B + b): a frozen row that
+    /// is a layer-norm output adds to b's norm partials (Σ dz∘ẑ, Σ dz: acc [2D], assigned here), a
+    /// row that is not frozen goes to d_zkv.
+    void absorbed_memory_input_grads(const frozen_key_rows<T>& f, index_t b, const T* dzb, T* acc, T* d_zkv,
+                                     index_t ld) const {
+        const index_t mem = k_len_ - q_len_;
+        if (acc)
             for (index_t i = 0; i < 2 * D; ++i) acc[i] = T(0);
-            for (index_t r = 0; r < f.rows; ++r) {
-                const T *g = dzm + r * D, *zh = f.zhat + r * f.ld_zhat;
+        for (index_t j = 0; j < mem; ++j) {
+            const index_t r = j * batch_ + b;
+            const T* g = dzb + j * D;
+            if (r >= f.rows) {
+                if (d_zkv) std::memcpy(d_zkv + r * ld, g, sizeof(T) * std::size_t(D));
+            } else if (acc) {
+                const T* zh = f.zhat + r * f.ld_zhat;
 #pragma omp simd
                 for (index_t i = 0; i < D; ++i) {
                     acc[i] += g[i] * zh[i];
                     acc[D + i] += g[i];
                 }
             }
-            for (index_t i = 0; i < D; ++i) {
-                f.dgamma[i] += acc[i];
-                f.dbeta[i] += acc[D + i];
-            }
         }
-        if (d_zkv && f.rows < lb) K::copy(lb - f.rows, D, dzm + f.rows * D, D, d_zkv + f.rows * ld, ld);
     }
 
     /// W_v directly follows W_k in the parameter buffers: [W_k; W_v] is one [2D, D] matrix.
@@ -644,7 +666,8 @@ private:
     // Scratch: positional scores / their gradient [H, Q·B, W]; backward's gradients.
     buffer<T> pos_, d_ctx_, dqu_, dq_, dkv_, d_scores_, col_sums_, frozen_g_, frozen_c_;
     // Absorbed memory: saved q̃, U [H·Q, B, D] and Σ_{j<M} a [B, H, Q]; backward's dU, d q̃, the memory
-    // rows' d z [M·B, D], the bias share of d a [B, H, Q], and the norm gradients' accumulators.
+    // rows' d z (one [M, D] block per thread), the bias share of d a [B, H, Q], and the norm
+    // gradients' partial sums [B, 2D].
     buffer<T> qt_, ut_, row_mass_, dut_, dqt_, dz_mem_, d_bias_score_, norm_acc_;
 };
 

@@ -29,11 +29,12 @@ struct layer_norm {
         });
     }
 
-    /// y[rows, d] = LN(x); mean[rows] and rstd[rows] are saved for backward. w or b may be null
-    /// (no affine scale / shift).
+    /// y[rows, d] = LN(x); mean[rows] and rstd[rows] are saved for backward (either may be null). w or
+    /// b may be null (no affine scale / shift). With xhat, the normalised rows x̂ = (x − μ)·r are
+    /// written there too (bitwise what layer_norm_normalize would give), in the same pass.
     template <class T>
     static void layer_norm_forward(index_t rows, index_t d, const T* x, index_t ldx, const T* w, const T* b, T eps,
-                                   T* y, index_t ldy, T* mean, T* rstd) {
+                                   T* y, index_t ldy, T* mean, T* rstd, T* xhat = nullptr, index_t ldxh = 0) {
         using B = simd::batch<T>;
         const index_t nv = simd::full_batches<T>(d);
         parallel_range(rows, rows * d >= 65536, [&](index_t i_begin, index_t i_end) {
@@ -58,14 +59,17 @@ struct layer_norm {
             if (mean) mean[i] = mu;
             if (rstd) rstd[i] = r;
             const B vr = simd::splat(r);
+            T* hi = xhat ? xhat + i * ldxh : nullptr;
             for (j = 0; j < nv; j += simd::width<T>) {
                 B v = (simd::load(xi + j) - vmu) * vr;
+                if (hi) simd::store(hi + j, v);
                 if (w) v *= simd::load(w + j);
                 if (b) v += simd::load(b + j);
                 simd::store(yi + j, v);
             }
             for (; j < d; ++j) {
                 T v = (xi[j] - mu) * r;
+                if (hi) hi[j] = v;
                 if (w) v *= w[j];
                 if (b) v += b[j];
                 yi[j] = v;
