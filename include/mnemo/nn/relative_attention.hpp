@@ -405,34 +405,43 @@ private:
         return keep;
     }
 
-    /// kv for this call from the last call's (spans of `reuse`) and fresh projections of the rest.
+    /// kv for this call from the last call's (spans of `reuse`) and fresh projections of the rest. The
+    /// reused rows are moved within the one buffer, and only when their position changed (a token
+    /// that compresses nothing moves none): spans moving to lower positions go first, lowest first,
+    /// then those moving up, highest first, so no span overwrites rows another has yet to read.
     T* reuse_kv(const kv_reuse& reuse, const T* z, index_t ldz) {
         MNEMO_CHECK(last_batch_ == batch_, "relative_attention '", name_, "': key/value reuse across batch sizes (",
                     last_batch_, " then ", batch_, ")");
         MNEMO_CHECK(!absorbed_, "relative_attention '", name_, "': key/value reuse after a forward that did not project "
                     "the memory's keys (absorbed); call keep_projections(true) before that forward");
-        std::swap(kv_, kv_prev_);
-        const T* prev = kv_prev_.data();
-        T* kv = kv_.ensure(k_len_ * batch_ * 2 * D);
+        T* kv = kv_.ensure(std::max(k_len_, last_k_len_) * batch_ * 2 * D);  // growing keeps the last call's rows
         const index_t row = batch_ * 2 * D;  // elements per position
-        index_t covered[2][2], nc = 0;
+        kv_reuse::span order[2];
+        index_t n = 0;
         for (index_t i = 0; i < reuse.n; ++i) {
             const auto& sp = reuse.spans[i];
             MNEMO_CHECK(sp.dst >= 0 && sp.src >= 0 && sp.len >= 0 && sp.dst + sp.len <= k_len_ &&
                             sp.src + sp.len <= last_k_len_,
                         "relative_attention '", name_, "': key/value reuse span out of range");
-            std::memcpy(kv + sp.dst * row, prev + sp.src * row, sizeof(T) * std::size_t(sp.len * row));
-            covered[nc][0] = sp.dst;
-            covered[nc][1] = sp.dst + sp.len;
-            ++nc;
+            order[n++] = sp;
         }
-        if (nc == 2 && covered[1][0] < covered[0][0]) std::swap(covered[0], covered[1]);
+        if (n == 2 && order[1].dst < order[0].dst) std::swap(order[0], order[1]);  // by position
+        MNEMO_CHECK(n < 2 || order[0].dst + order[0].len <= order[1].dst, "relative_attention '", name_,
+                    "': key/value reuse spans overlap");
+        auto move = [&](const kv_reuse::span& sp) {
+            if (sp.dst != sp.src && sp.len > 0)
+                std::memmove(kv + sp.dst * row, kv + sp.src * row, sizeof(T) * std::size_t(sp.len * row));
+        };
+        for (index_t i = 0; i < n; ++i)
+            if (order[i].dst < order[i].src) move(order[i]);
+        for (index_t i = n - 1; i >= 0; --i)
+            if (order[i].dst > order[i].src) move(order[i]);
         // Project the positions outside the spans.
         index_t at = 0;
-        for (index_t i = 0; i <= nc; ++i) {
-            const index_t end = i < nc ? covered[i][0] : k_len_;
+        for (index_t i = 0; i <= n; ++i) {
+            const index_t end = i < n ? order[i].dst : k_len_;
             if (end > at) project_kv((end - at) * batch_, z + at * batch_ * ldz, ldz, kv + at * row);
-            if (i < nc) at = std::max(at, covered[i][1]);
+            if (i < n) at = std::max(at, order[i].dst + order[i].len);
         }
         return kv;
     }
@@ -662,7 +671,7 @@ private:
     buffer<std::uint8_t> keep_;              // [B, K], 1 = visible
     std::vector<std::uint8_t> keep_any_;     // [B]
     // Saved by forward: q, q + u [Q·B, D]; [k, v] [K·B, 2D]; attention weights [B, H, Q, K]; context [Q·B, D].
-    buffer<T> q_, qu_, kv_, kv_prev_, attn_, ctx_;
+    buffer<T> q_, qu_, kv_, attn_, ctx_;
     // Scratch: positional scores / their gradient [H, Q·B, W]; backward's gradients.
     buffer<T> pos_, d_ctx_, dqu_, dq_, dkv_, d_scores_, col_sums_, frozen_g_, frozen_c_;
     // Absorbed memory: saved q̃, U [H·Q, B, D] and Σ_{j<M} a [B, H, Q]; backward's dU, d q̃, the memory
