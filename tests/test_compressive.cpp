@@ -264,3 +264,45 @@ TEST_CASE("compressive_transformer: training steps are bitwise the same on 1 and
     CHECK(logits[0] == logits[1]);
     CHECK(grads[0] == grads[1]);
 }
+
+TEST_CASE("attention reconstruction: the model's loss reuses its forward's queries and normalised rows, bitwise") {
+    // reconstruction_loss takes the attention's queries of h and the layer's LN of the rows the merge
+    // compressed away (the oldest of [mem, x]) from the forward instead of recomputing them. The
+    // loss and the compression gradients must be bitwise a fresh computation's, including when the
+    // compressed rows reach into the segment, and after a parameter change (nothing reused then).
+    const index_t B = 2, Q = 3, vocab = 7;
+    mnemo::compressive_transformer<float, tiny> model({.vocab = vocab, .n_layers = 2, .d_ff = 6, .n_pos = 32});
+    model.reset_parameters(5);
+    randomize_model(model.parameters(), 17);
+    auto& ps = model.parameters();
+    auto mem = model.make_memory(2, 4);
+    mem.reset(B, Q);
+    auto fresh = [&](std::vector<float>& grads) {
+        mnemo::attention_reconstruction<float, tiny> ar;
+        ps.zero_grad();
+        double total = 0;
+        for (index_t l = 0; l < 2; ++l) {
+            auto& layer = model.layer(l);
+            total += double(ar.compute(layer.attention_input_norm(), layer.self_attn(), layer.compress(),
+                                       model.layer_input(l), mem.compressed_away(l), B, true));
+        }
+        grads.assign(ps.grads(), ps.grads() + ps.size());
+        return total;
+    };
+    for (int step = 0; step < 4; ++step) {
+        model.forward(random_tokens(Q * B, vocab, 60 + step), B, mem);
+        const index_t away = model.update_memory(mem);
+        if (step == 0) continue;
+        REQUIRE(away > 0);
+        if (step == 3) ps.values()[0] += 0.5f;  // a parameter change after the forward: nothing reused
+        ps.zero_grad();
+        const double reused = model.reconstruction_loss(mem, true);
+        const std::vector<float> g_reused(ps.grads(), ps.grads() + ps.size());
+        std::vector<float> g_fresh;
+        const double recomputed = fresh(g_fresh);
+        INFO("step " << step);
+        CHECK(reused > 0);
+        CHECK(reused == recomputed);
+        CHECK(g_reused == g_fresh);
+    }
+}

@@ -138,6 +138,7 @@ public:
         const index_t qb = x.rows(), lc = c_mem.rows(), lb = lc + mem.rows(), kb = lb + qb;
         batch_ = batch;
         mem_rows_ = lb;
+        batch_q_rows_ = qb;
         // z = LN([c_mem, mem, x]), oldest first. The memory rows need no input gradient, only their
         // normalised values ẑ (the norm's parameter gradients, frozen_key_rows): they are normalised
         // straight from the memory, ẑ kept. The segment's rows are kept with their statistics.
@@ -154,7 +155,9 @@ public:
             normalise_part(c_mem, 0, r0, std::min(r1, lc));
             normalise_part(mem, lc, std::max(r0, lc), r1);
         };
-        if (grad_enabled_ || !reuse.n) {
+        c_rows_ = lc;
+        all_normalised_ = grad_enabled_ || !reuse.n;
+        if (all_normalised_) {
             normalise(0, lb);
         } else {
             index_t at = 0;  // the positions outside the reused spans (at most two, in either order)
@@ -217,6 +220,15 @@ public:
                                  /*accumulate_dx=*/true);
     }
 
+    /// Rows [c_mem rows, c_mem rows + rows) of the last pre-LN forward's z = LN([c_mem, mem, x]): the
+    /// normalised memory and segment, oldest first (the attention-reconstruction loss's LN(m) for the
+    /// rows the merge compresses away). Null when that forward did not normalise them all (post-LN, or
+    /// reused rows skipped without gradients) or holds fewer rows.
+    const T* normalised_memory_rows(index_t rows) const {
+        if (options_.norm != norm_kind::pre || !all_normalised_ || rows > mem_rows_ - c_rows_ + batch_q_rows_)
+            return nullptr;
+        return z_.data() + c_rows_ * D;
+    }
     /// Whether this layer keeps memory (and has a compression function).
     bool has_memory() const { return compress_.has_value(); }
     /// Key padding flags [K·B] for the next forward (relative_attention::set_key_padding); null: none.
@@ -317,6 +329,8 @@ private:
     std::optional<decoder_type> decoder_;           // reconstruction_kind::autoencoding, memory layers only
     index_t batch_ = 0, mem_rows_ = 0;
     bool grad_enabled_ = true, forward_grad_ = true;  // the setting, and the one the last forward ran with
+    index_t c_rows_ = 0, batch_q_rows_ = 0;            // the last pre-LN forward's c_mem rows and query rows
+    bool all_normalised_ = false;                      // ... and whether it normalised every row of z
     buffer<T> kv_in_, z_, zhat_, mean_, rstd_, attn_out_, x_mid_, z2_, ff_out_, d_mid_, dz2_, dz_, d_sub_;
 };
 
@@ -568,16 +582,22 @@ public:
             if (options_.reconstruction == reconstruction_kind::autoencoding) {
                 if constexpr (can_compress)
                     total += ae_.compute(layer.compress(), layer.decoder(), mem.compressed_away(s), batch_, with_grad);
-            } else if (options_.norm == norm_kind::pre) {
-                total += double(ar_.compute(layer.norm_self_attn(), layer.self_attn(), layer.compress(),
-                                            view<const T, DM, Backend>(x(l)), mem.compressed_away(s), batch_, with_grad,
-                                            seg_padded_ ? seg_pad_.data() : nullptr,
-                                            padding_active_ ? mem.compressed_away_pad() : nullptr));
             } else {
+                // h is this layer's input of the last forward, whose queries the attention kept (the
+                // parameters unchanged since). When the merge since that forward compressed the oldest
+                // slots of its [mem, x], the layer kept their normalised values too (pre-LN).
+                const auto away = mem.compressed_away(s);
+                typename decltype(ar_)::saved_forward saved{};
+                if (params_.version() == last_.version) {
+                    saved.queries = layer.self_attn().queries();
+                    if (mem.epoch() == last_.epoch && mem.batch() == last_.batch &&
+                        mem.mem_first_id() - mem.compressed_away_slots() == last_.m_first)
+                        saved.normalized_m = layer.normalised_memory_rows(away.rows());
+                }
                 total += double(ar_.compute(layer.attention_input_norm(), layer.self_attn(), layer.compress(),
-                                            view<const T, DM, Backend>(x(l)), mem.compressed_away(s), batch_, with_grad,
+                                            view<const T, DM, Backend>(x(l)), away, batch_, with_grad,
                                             seg_padded_ ? seg_pad_.data() : nullptr,
-                                            padding_active_ ? mem.compressed_away_pad() : nullptr));
+                                            padding_active_ ? mem.compressed_away_pad() : nullptr, saved));
             }
         }
         return total;

@@ -344,6 +344,8 @@ public:
 
     /// The last forward's attention weights [batch][heads][Q][K] (K = memory + segment positions).
     const T* attention_weights() const { return attn_.data(); }
+    /// The last forward's query projections z_q·W_qᵀ + b_q [Q·B, D].
+    const T* queries() const { return q_.data(); }
     index_t q_len() const { return q_len_; }
     index_t k_len() const { return k_len_; }
     index_t n_pos() const { return n_pos_; }

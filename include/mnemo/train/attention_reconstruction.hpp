@@ -42,6 +42,14 @@ class attention_reconstruction {
     static constexpr index_t D = index_t(Config::d_model), H = index_t(Config::heads), Dk = index_t(Config::d_head);
 
 public:
+    /// What the layer's last forward computed from the same inputs, bitwise what compute() would:
+    /// queries, the attention's query projection of the (normalised) h [Q·B, D]; normalized_m, the
+    /// norm's output for m's rows [n_old·B, D] (null: computed here).
+    struct saved_forward {
+        const T* queries = nullptr;
+        const T* normalized_m = nullptr;
+    };
+
     /// The loss of one layer; when `with_grad`, f_c's parameter gradients += d loss / d θ_c.
     /// h [Q·B, D]; m [n_old·B, D] with n_old a multiple of the compression rate.
     template <class Compression>
@@ -52,10 +60,13 @@ public:
     }
 
     /// The same with the norm optional: a null `norm` attends over h, m and f_c(m) as they are.
+    /// `saved` may pass what the layer's last forward already computed from the same h and m (see
+    /// saved_forward); the result is bitwise the same.
     template <class Compression>
     T compute(const layer_norm<T, DM, Backend>* norm, const relative_attention<T, Config, Backend>& attn,
               Compression& compress, view<const T, DM, Backend> h, view<const T, DM, Backend> m, index_t batch,
-              bool with_grad, const std::uint8_t* h_pad = nullptr, const std::uint8_t* m_pad = nullptr) {
+              bool with_grad, const std::uint8_t* h_pad = nullptr, const std::uint8_t* m_pad = nullptr,
+              const saved_forward& saved = {}) {
         const index_t qb = h.rows(), mb = m.rows(), cb = Compression::compressed_rows(mb, batch);
         const index_t q_len = qb / batch, m_len = mb / batch, c_len = cb / batch;
         view<T, DM, Backend> cm(cm_.ensure(cb * D), cb);
@@ -65,20 +76,32 @@ public:
         view<const T, DM, Backend> hn = h, mn = m, cn = cm;
         norm_stats<T> st_c{};
         if (norm) {
-            view<T, DM, Backend> hw(hn_.ensure(qb * D), qb), mw(mn_.ensure(mb * D), mb), cw(cn_.ensure(cb * D), cb);
-            const norm_stats<T> st_h{st_h_.ensure(qb), st_h_r_.ensure(qb)}, st_m{st_m_.ensure(mb), st_m_r_.ensure(mb)};
+            view<T, DM, Backend> cw(cn_.ensure(cb * D), cb);
             st_c = {st_c_.ensure(cb), st_c_r_.ensure(cb)};
-            norm->forward(h, hw, st_h);
-            norm->forward(m, mw, st_m);
+            if (!saved.queries) {
+                view<T, DM, Backend> hw(hn_.ensure(qb * D), qb);
+                norm->forward(h, hw, norm_stats<T>{});
+                hn = hw;
+            }
+            if (saved.normalized_m) {
+                mn = view<const T, DM, Backend>(saved.normalized_m, mb);
+            } else {
+                view<T, DM, Backend> mw(mn_.ensure(mb * D), mb);
+                norm->forward(m, mw, norm_stats<T>{});
+                mn = mw;
+            }
             norm->forward(cm, cw, st_c);
-            hn = hw;
-            mn = mw;
             cn = cw;
         }
 
-        view<T, DM, Backend> q(q_.ensure(qb * D), qb), km(km_.ensure(mb * D), mb), vm(vm_.ensure(mb * D), mb),
-            kc(kc_.ensure(cb * D), cb), vc(vc_.ensure(cb * D), cb);
-        attn.query().forward(hn, q);
+        view<T, DM, Backend> km(km_.ensure(mb * D), mb), vm(vm_.ensure(mb * D), mb), kc(kc_.ensure(cb * D), cb),
+            vc(vc_.ensure(cb * D), cb);
+        view<const T, DM, Backend> q(saved.queries, qb);
+        if (!saved.queries) {
+            view<T, DM, Backend> qw(q_.ensure(qb * D), qb);
+            attn.query().forward(hn, qw);
+            q = qw;
+        }
         attn.key().forward(mn, km);
         attn.value().forward(mn, vm);
         attn.key().forward(cn, kc);
@@ -184,7 +207,7 @@ private:
     }
 
     buffer<T> cm_, hn_, mn_, cn_, q_, km_, vm_, kc_, vc_, out_m_, out_c_, a_m_, a_c_, diff_;
-    buffer<T> st_h_, st_h_r_, st_m_, st_m_r_, st_c_, st_c_r_;
+    buffer<T> st_c_, st_c_r_;
     buffer<T> dkc_, dvc_, dcn_, dcm_, da_;
     buffer<std::uint8_t> keep_m_, keep_c_;
     std::vector<std::uint8_t> any_m_, any_c_;
