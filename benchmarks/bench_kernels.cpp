@@ -6,9 +6,10 @@
 //
 // BM_peak_fp32 measures the peak: independent FMA chains on registers, no memory traffic. The
 // GEMM rows report `peak_frac`, their GFLOP/s over the peak measured in the same run with the same
-// thread count. BM_gemm and BM_gemm_model go through K::gemm_*, i.e. OpenBLAS where a build with
-// -DMNEMO_BLAS=ON sends that shape (the label says which path ran); BM_gemm_eigen_model (BLAS
-// builds only) always takes mnemo's Eigen path, so one run of a BLAS build compares the two.
+// thread count. BM_gemm and BM_gemm_model go through K::gemm_*, i.e. the packed AVX-512 kernel or
+// OpenBLAS (a build with -DMNEMO_BLAS=ON) where gemm.hpp sends that shape (the label says which path
+// ran); BM_gemm_eigen_model always takes mnemo's Eigen path and BM_gemm_packed_model (AVX-512 builds)
+// always the packed kernel, both on 2 and 1 threads, so one run compares them.
 //
 //   OMP_NUM_THREADS=2 ./build/benchmarks/bench_kernels --benchmark_filter=gemm.*model
 //                                                       the large GEMMs of configurations B and C
@@ -50,7 +51,11 @@ void BM_peak_fp32(benchmark::State& state) {
 // C[M,N] = A·op(B) for the three forms; shape m × n × k.
 enum form { nn, nt, tn };
 
-void BM_gemm(benchmark::State& state, form f, bool eigen = false) {
+// Which implementation a GEMM row calls: K::gemm_* (whatever gemm.hpp dispatches to), mnemo's Eigen
+// path, or the packed AVX-512 kernel (gemm_packed.hpp).
+enum class path { dispatch, eigen, packed };
+
+void BM_gemm(benchmark::State& state, form f, path p = path::dispatch) {
     const index_t m = state.range(0), n = state.range(1), k = state.range(2);
     const int threads = static_cast<int>(state.range(3));
     omp_set_num_threads(threads);
@@ -58,12 +63,20 @@ void BM_gemm(benchmark::State& state, form f, bool eigen = false) {
     const double peak = peak_gflops(threads);  // measured before the timed loop
     const auto t0 = std::chrono::steady_clock::now();
     for (auto _ : state) {
-        if (eigen) {
+        if (p == path::eigen) {
             switch (f) {
                 case nn: K::gemm_nn_eigen(m, n, k, a.data(), k, b.data(), n, c.data(), n); break;
                 case nt: K::gemm_nt_eigen(m, n, k, a.data(), k, b.data(), k, c.data(), n); break;
                 case tn: K::gemm_tn_eigen(m, n, k, a.data(), m, b.data(), n, c.data(), n); break;
             }
+#ifdef __AVX512F__
+        } else if (p == path::packed) {
+            switch (f) {
+                case nn: K::gemm_nn_packed(m, n, k, a.data(), k, b.data(), n, c.data(), n); break;
+                case nt: K::gemm_nt_packed(m, n, k, a.data(), k, b.data(), k, c.data(), n); break;
+                case tn: K::gemm_tn_packed(m, n, k, a.data(), m, b.data(), n, c.data(), n); break;
+            }
+#endif
         } else {
             switch (f) {
                 case nn: K::gemm_nn(m, n, k, a.data(), k, b.data(), n, c.data(), n); break;
@@ -81,13 +94,16 @@ void BM_gemm(benchmark::State& state, form f, bool eigen = false) {
     state.counters["peak_GFLOPs"] = peak;
     state.counters["peak_frac"] = gflops / peak;  // against the FP32 peak, same thread count
     state.counters["threads"] = threads;
+    std::string label = p == path::packed ? "packed" : "eigen";
+#ifdef __AVX512F__
+    if (p == path::dispatch && K::use_packed(m, n, k)) label = "packed";
+#endif
 #ifdef MNEMO_USE_BLAS
     // OpenBLAS's kernels as it reports them: mnemo uses them only when as wide as its own (gemm.hpp).
-    const std::string core = std::string(" (OpenBLAS core ") + K::blas_core() + (K::blas_active() ? ")" : ", unused)");
-    state.SetLabel((!eigen && K::use_blas<float>(m, n, k) ? "openblas" : "eigen") + core);
-#else
-    state.SetLabel("eigen");
+    if (p == path::dispatch && K::use_blas<float>(m, n, k)) label = "openblas";
+    label += std::string(" (OpenBLAS core ") + K::blas_core() + (K::blas_active() ? ")" : ", unused)");
 #endif
+    state.SetLabel(label);
     omp_set_num_threads(omp_get_num_procs());
 }
 
@@ -160,27 +176,35 @@ void gemm_shapes(benchmark::internal::Benchmark* b) {
 
 // The large products of a training step of configurations B (d_model 256, d_ff 1024) and C (512,
 // 2048) over 1024 tokens (seq × batch) and 3072 key/value rows (seq + mem + c_mem, × batch), as
-// (m, n, k), 2 threads. Each form runs every shape; the ones a step uses are
+// (m, n, k), on each of `thread_counts`. Each form runs every shape; the ones a step uses are
 //   nt (forward, x·Wᵀ): (1024, d, d) query/output, (3072, 2d, d) keys and values, (1024, d_ff, d),
 //                       (1024, d, d_ff) feed-forward
 //   nn (dX = dY·W):     (1024, d, d), (1024, d, d_ff), (1024, d_ff, d), (3072, d, 2d)
 //   tn (dW = dYᵀ·X):    (d, d, 1024), (d_ff, d, 1024), (d, d_ff, 1024), (2d, d, 3072)
-void model_gemm_shapes(benchmark::internal::Benchmark* b) {
+void model_gemm_shapes_on(benchmark::internal::Benchmark* b, std::initializer_list<int> thread_counts) {
     b->ArgNames({"m", "n", "k", "threads"});
-    std::vector<std::array<index_t, 3>> seen;
-    for (index_t d : {256, 512}) {
-        const index_t ff = 4 * d;
-        for (auto s : {std::array<index_t, 3>{1024, d, d}, {1024, ff, d}, {1024, d, ff}, {3072, 2 * d, d},
-                       {3072, d, 2 * d}, {d, d, 1024}, {ff, d, 1024}, {d, ff, 1024}, {2 * d, d, 3072}}) {
-            if (std::find(seen.begin(), seen.end(), s) != seen.end()) continue;  // B's (1024, 256, 1024) twice
-            seen.push_back(s);
-            b->Args({s[0], s[1], s[2], 2});
+    for (int threads : thread_counts) {
+        std::vector<std::array<index_t, 3>> seen;
+        for (index_t d : {256, 512}) {
+            const index_t ff = 4 * d;
+            for (auto s : {std::array<index_t, 3>{1024, d, d}, {1024, ff, d}, {1024, d, ff}, {3072, 2 * d, d},
+                           {3072, d, 2 * d}, {d, d, 1024}, {ff, d, 1024}, {d, ff, 1024}, {2 * d, d, 3072}}) {
+                if (std::find(seen.begin(), seen.end(), s) != seen.end()) continue;  // B's (1024, 256, 1024) twice
+                seen.push_back(s);
+                b->Args({s[0], s[1], s[2], threads});
+            }
         }
     }
 }
+void model_gemm_shapes(benchmark::internal::Benchmark* b) { model_gemm_shapes_on(b, {2}); }
+// The Eigen and packed rows also on one thread.
+void model_gemm_shapes_1_2(benchmark::internal::Benchmark* b) { model_gemm_shapes_on(b, {2, 1}); }
 
 void BM_gemm_model(benchmark::State& state, form f) { BM_gemm(state, f); }
-void BM_gemm_eigen_model(benchmark::State& state, form f) { BM_gemm(state, f, true); }
+void BM_gemm_eigen_model(benchmark::State& state, form f) { BM_gemm(state, f, path::eigen); }
+#ifdef __AVX512F__
+void BM_gemm_packed_model(benchmark::State& state, form f) { BM_gemm(state, f, path::packed); }
+#endif
 
 }  // namespace
 
@@ -191,10 +215,13 @@ BENCHMARK_CAPTURE(BM_gemm, tn, tn)->Apply(gemm_shapes)->UseRealTime()->Unit(benc
 BENCHMARK_CAPTURE(BM_gemm_model, nn, nn)->Apply(model_gemm_shapes)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_gemm_model, nt, nt)->Apply(model_gemm_shapes)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_gemm_model, tn, tn)->Apply(model_gemm_shapes)->UseRealTime()->Unit(benchmark::kMillisecond);
-#ifdef MNEMO_USE_BLAS
-BENCHMARK_CAPTURE(BM_gemm_eigen_model, nn, nn)->Apply(model_gemm_shapes)->UseRealTime()->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_gemm_eigen_model, nt, nt)->Apply(model_gemm_shapes)->UseRealTime()->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_gemm_eigen_model, tn, tn)->Apply(model_gemm_shapes)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_gemm_eigen_model, nn, nn)->Apply(model_gemm_shapes_1_2)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_gemm_eigen_model, nt, nt)->Apply(model_gemm_shapes_1_2)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_gemm_eigen_model, tn, tn)->Apply(model_gemm_shapes_1_2)->UseRealTime()->Unit(benchmark::kMillisecond);
+#ifdef __AVX512F__
+BENCHMARK_CAPTURE(BM_gemm_packed_model, nn, nn)->Apply(model_gemm_shapes_1_2)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_gemm_packed_model, nt, nt)->Apply(model_gemm_shapes_1_2)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_gemm_packed_model, tn, tn)->Apply(model_gemm_shapes_1_2)->UseRealTime()->Unit(benchmark::kMillisecond);
 #endif
 BENCHMARK(BM_softmax)->Args({4096, 512})->Args({1024, 4096})->Args({8192, 65})->UseRealTime();
 BENCHMARK(BM_layer_norm)->Args({4096, 128})->Args({4096, 512})->Args({8192, 256})->UseRealTime();

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -127,7 +128,14 @@ TEST_CASE_TEMPLATE("gemm: the dispatching forms agree with the Eigen path; beta 
                                       << " blas=" << dispatched_to_blas<T>(s.m, s.n, s.k));
                     // Products of up to 2049 terms of [-1, 1]: compare on the scale of sqrt(k).
                     mnemo::testing::check_close("gemm", got, ref, tol * std::sqrt(double(s.k)), tol);
-                    if (!blas_in_use()) CHECK(std::memcmp(got.data(), ref.data(), got.size() * sizeof(T)) == 0);
+                    // Bitwise Eigen's where Eigen runs (the packed AVX-512 kernel rounds its own way).
+#ifdef __AVX512F__
+                    const bool packed = std::is_same_v<T, float> && K::use_packed(s.m, s.n, s.k);
+#else
+                    const bool packed = false;
+#endif
+                    if (!blas_in_use() && !packed)
+                        CHECK(std::memcmp(got.data(), ref.data(), got.size() * sizeof(T)) == 0);
                 }
             }
         }

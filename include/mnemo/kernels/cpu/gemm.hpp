@@ -8,6 +8,29 @@
 // beta = 0 overwrites C (its contents may be garbage), beta = 1 accumulates.
 // lda/ldb/ldc are row strides in elements.
 //
+// Large float products on AVX-512 builds go to gemm_packed instead (gemm_packed.hpp: mnemo's own
+// packed SGEMM, a 14×32 AVX-512 micro-kernel, bitwise the same for any thread count): use_packed()
+// takes products of at least 2^21 multiply-adds with m ≥ 96, n ≥ 64 (at most 1/8 of its 32-column
+// panels padding) and k ≥ 32. Double, other types, smaller, skinnier or shallower float products and
+// builds without AVX-512 stay on Eigen; gemm_*_packed call the packed kernel whatever the shape.
+//   Measured on the 2-core Zen 5 VM (bench_kernels --benchmark_filter='(eigen|packed)_model': the 17
+//   large products of configurations B and C in each form, fraction of the FP32 peak measured in the
+//   same run, min / median / max over the shapes of each shape's median of 3 repetitions, one run
+//   with both paths while nothing else ran):
+//                  packed               Eigen
+//     2 threads nn 0.78 / 0.87 / 0.92   0.61 / 0.81 / 0.89
+//               nt 0.80 / 0.88 / 0.94   0.70 / 0.76 / 0.88
+//               tn 0.79 / 0.855/ 0.90   0.69 / 0.75 / 0.85
+//     1 thread  nn 0.81 / 0.90 / 0.96   0.77 / 0.84 / 0.90
+//               nt 0.82 / 0.90 / 0.96   0.76 / 0.83 / 0.90
+//               tn 0.86 / 0.88 / 0.94   0.73 / 0.80 / 0.89
+//   The VM's neighbours move these by up to 0.1 from run to run (three more 2-thread runs: packed
+//   medians 0.78-0.90 nn, 0.80-0.85 nt, 0.80-0.86 tn against Eigen's 0.81-0.84, 0.77-0.78, 0.71-0.74);
+//   packed was ahead on 47 of the 51 products above and 0.01-0.04 behind on the other 4 (nn, three
+//   of them with m ≤ 512). Below the thresholds the two are within a few percent either way (64³ to
+//   256³, 128×384×64), and Eigen is ahead on few rows (3 to 64: up to 1.7× faster), shallow products
+//   (k = 16: 1.1-1.5×) and n = 48 (1.25×).
+//
 // Threads: mnemo calls Eigen's sequential product (so a user's Eigen::setNbThreads is untouched) and
 // splits a large GEMM itself into one block of C per thread. Eigen's own parallel product would otherwise open an OpenMP region for
 // products as small as 8×128×128 (the per-token GEMMs of the recurrent models and the per-head
@@ -19,8 +42,10 @@
 // Debian's libopenblas-openmp-dev; never the pthread build, whose threads fight OpenMP's). Float and
 // double products of at least blas_min_work = 2^24 multiply-adds, 12 or more on every side, go to
 // cblas_sgemm/cblas_dgemm; everything smaller (the per-head attention products such as 8×152×32 or
-// 128×384×32, the one- and two-row GEMVs of generation, other scalar types) keeps the Eigen path,
-// which is also the whole story without the macro. gemm_*_eigen are that path, always available.
+// 128×384×32, the one- and two-row GEMVs of generation, other scalar types) keeps the packed or
+// Eigen path, which is also the whole story without the macro. gemm_*_eigen are the Eigen path,
+// always available. (The packed kernel's numbers above are ahead of OpenBLAS's below; this order
+// is kept so that a BLAS build behaves as before.)
 //   - mnemo still splits the rows of C over the threads (boundaries on multiples of 12 rows, every
 //     block at least 2^23 multiply-adds), one single-threaded OpenBLAS call per block: results are
 //     bitwise the same for any thread count (OpenBLAS's own threading is not: its threaded driver
@@ -62,12 +87,20 @@
 #endif
 
 #include "../../core/shape.hpp"
+#include "gemm_packed.hpp"
 
 namespace mnemo::cpu_kernels {
 
 struct gemm {
     /// Multiply-adds below which a GEMM stays on one thread.
     static constexpr double parallel_min_work = double(1 << 21);
+
+    /// Threads a product of m·n·k multiply-adds may use: all of omp_get_max_threads() from
+    /// parallel_min_work on, one inside an OpenMP region.
+    static int threads_for(index_t m, index_t n, index_t k) {
+        const double work = double(m) * double(n) * double(k);
+        return (work >= parallel_min_work && !omp_in_parallel()) ? omp_get_max_threads() : 1;
+    }
 
     /// Calls f(m0, m1, n0, n1) over blocks of C [m, n]: one block of rows per thread when the product
     /// is big enough. Only rows are split, in multiples of 16: Eigen computes a row-major C as its
@@ -77,8 +110,7 @@ struct gemm {
     /// round differently).
     template <class F>
     static void split(index_t m, index_t n, index_t k, F&& f) {
-        const double work = double(m) * double(n) * double(k);
-        int threads = (work >= parallel_min_work && !omp_in_parallel()) ? omp_get_max_threads() : 1;
+        int threads = threads_for(m, n, k);
         threads = int(std::min<index_t>(threads, std::max<index_t>(1, m / 16)));
         if (threads <= 1) {
             f(index_t(0), m, index_t(0), n);
@@ -234,6 +266,14 @@ struct gemm {
             return;
         }
 #endif
+#ifdef __AVX512F__
+        if constexpr (std::is_same_v<T, float>) {
+            if (use_packed(m, n, k)) {
+                gemm_nn_packed(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha);
+                return;
+            }
+        }
+#endif
         gemm_nn_eigen(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha);
     }
 
@@ -245,6 +285,14 @@ struct gemm {
         if (use_blas<T>(m, n, k) && lda >= k && ldb >= k && ldc >= n) {
             blas_gemm(CblasNoTrans, CblasTrans, m, n, k, a, lda, b, ldb, c, ldc, beta, alpha);
             return;
+        }
+#endif
+#ifdef __AVX512F__
+        if constexpr (std::is_same_v<T, float>) {
+            if (use_packed(m, n, k)) {
+                gemm_nt_packed(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha);
+                return;
+            }
         }
 #endif
         gemm_nt_eigen(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha);
@@ -260,8 +308,45 @@ struct gemm {
             return;
         }
 #endif
+#ifdef __AVX512F__
+        if constexpr (std::is_same_v<T, float>) {
+            if (use_packed(m, n, k)) {
+                gemm_tn_packed(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha);
+                return;
+            }
+        }
+#endif
         gemm_tn_eigen(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha);
     }
+
+#ifdef __AVX512F__
+    /// Whether a float product goes to gemm_packed (gemm_packed.hpp): at least packed_min_work
+    /// multiply-adds (from there on both paths use every thread; below it, and for the per-head
+    /// attention products such as 128×384×32, Eigen is as fast), and no side where the packed tiles
+    /// would waste much: m ≥ 96 rows (14-row tiles; Eigen was up to 1.7× faster on 3 to 64 rows),
+    /// k ≥ 32 (at k = 16 updating C outweighs the products: Eigen 1.1-1.5× faster), n ≥ 64 and at
+    /// most 1/8 of the 32-column panels padding (n = 48: Eigen 1.25× faster).
+    static constexpr double packed_min_work = parallel_min_work;
+
+    static bool use_packed(index_t m, index_t n, index_t k) {
+        const index_t n_padded = (n + gemm_packed::nr - 1) / gemm_packed::nr * gemm_packed::nr;
+        return m >= 96 && n >= 64 && 8 * n >= 7 * n_padded && k >= 32 && double(m) * double(n) * double(k) >= packed_min_work;
+    }
+
+    /// The packed path itself, whatever the shape (float only; AVX-512 builds only).
+    static void gemm_nn_packed(index_t m, index_t n, index_t k, const float* a, index_t lda, const float* b, index_t ldb,
+                               float* c, index_t ldc, float beta = 0.0f, float alpha = 1.0f) {
+        gemm_packed::run<gemm_packed::form::nn>(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha, threads_for(m, n, k));
+    }
+    static void gemm_nt_packed(index_t m, index_t n, index_t k, const float* a, index_t lda, const float* b, index_t ldb,
+                               float* c, index_t ldc, float beta = 0.0f, float alpha = 1.0f) {
+        gemm_packed::run<gemm_packed::form::nt>(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha, threads_for(m, n, k));
+    }
+    static void gemm_tn_packed(index_t m, index_t n, index_t k, const float* a, index_t lda, const float* b, index_t ldb,
+                               float* c, index_t ldc, float beta = 0.0f, float alpha = 1.0f) {
+        gemm_packed::run<gemm_packed::form::tn>(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha, threads_for(m, n, k));
+    }
+#endif
 
 #ifdef MNEMO_USE_BLAS
     /// Multiply-adds from which a float/double GEMM goes to OpenBLAS (2^24 ≈ 16.8M), and the least

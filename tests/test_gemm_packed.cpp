@@ -1,0 +1,262 @@
+// The packed AVX-512 SGEMM (kernels/cpu/gemm_packed.hpp) against a double-precision reference on
+// tiny, odd and block-crossing shapes in the three forms, strided operands, beta 0 over NaN, beta 1,
+// beta 0.5 and alpha 2; the same bits on 1, 2 and 3 threads; no allocation in steady state; and
+// which float products gemm.hpp sends to it. Builds without AVX-512 have no packed path: the test
+// then only says so.
+#include <doctest/doctest.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <initializer_list>
+#include <limits>
+#include <vector>
+
+#include <mnemo/kernels/cpu/ops.hpp>
+
+#include "allocation_counter.hpp"
+#include "testing.hpp"
+
+using mnemo::index_t;
+using K = mnemo::ops<mnemo::cpu>;
+
+#ifdef __AVX512F__
+using GP = mnemo::cpu_kernels::gemm_packed;
+
+namespace {
+
+enum form { nn, nt, tn };
+const char* form_name(form f) { return f == nn ? "nn" : f == nt ? "nt" : "tn"; }
+
+/// Operands of one product, rows padded by `pad` elements past what they need (filled with
+/// sentinels, to see that C's padding is left alone).
+struct problem {
+    form f;
+    index_t m, n, k, lda, ldb, ldc;
+    std::vector<float> a, b, c;
+    problem(form f_, index_t m_, index_t n_, index_t k_, index_t pad, std::uint64_t seed)
+        : f(f_), m(m_), n(n_), k(k_) {
+        lda = (f == tn ? m : k) + pad;
+        ldb = (f == nt ? k : n) + pad;
+        ldc = n + pad;
+        a = mnemo::testing::random_vector<float>((f == tn ? k : m) * lda, seed);
+        b = mnemo::testing::random_vector<float>((f == nt ? n : k) * ldb, seed + 1);
+        c = mnemo::testing::random_vector<float>(m * ldc, seed + 2);
+    }
+    double a_at(index_t i, index_t p) const { return f == tn ? a[p * lda + i] : a[i * lda + p]; }
+    double b_at(index_t p, index_t j) const { return f == nt ? b[j * ldb + p] : b[p * ldb + j]; }
+
+    void run(float* out, float beta, float alpha, int threads) const {
+        switch (f) {
+            case nn: GP::run<GP::form::nn>(m, n, k, a.data(), lda, b.data(), ldb, out, ldc, beta, alpha, threads); break;
+            case nt: GP::run<GP::form::nt>(m, n, k, a.data(), lda, b.data(), ldb, out, ldc, beta, alpha, threads); break;
+            case tn: GP::run<GP::form::tn>(m, n, k, a.data(), lda, b.data(), ldb, out, ldc, beta, alpha, threads); break;
+        }
+    }
+    void dispatch(float* out, float beta, float alpha) const {
+        switch (f) {
+            case nn: K::gemm_nn(m, n, k, a.data(), lda, b.data(), ldb, out, ldc, beta, alpha); break;
+            case nt: K::gemm_nt(m, n, k, a.data(), lda, b.data(), ldb, out, ldc, beta, alpha); break;
+            case tn: K::gemm_tn(m, n, k, a.data(), lda, b.data(), ldb, out, ldc, beta, alpha); break;
+        }
+    }
+
+    /// Runs the packed GEMM on a copy of C (its elements NaN when beta = 0) on each thread count and
+    /// checks every element against a double-precision reference, relative to the sum of the
+    /// magnitudes of its terms; the padding between C's rows must stay as it was.
+    void check(float beta, float alpha, std::initializer_list<int> thread_counts) const {
+        std::vector<double> ref(std::size_t(m * n)), scale(std::size_t(m * n));
+        for (index_t i = 0; i < m; ++i)
+            for (index_t j = 0; j < n; ++j) {
+                double sum = 0, mag = 0;
+                for (index_t p = 0; p < k; ++p) {
+                    const double t = a_at(i, p) * b_at(p, j);
+                    sum += t;
+                    mag += std::abs(t);
+                }
+                const double prev = beta == 0.0f ? 0.0 : double(beta) * c[i * ldc + j];
+                ref[i * n + j] = double(alpha) * sum + prev;
+                scale[i * n + j] = std::abs(double(alpha)) * mag + std::abs(prev);
+            }
+        for (int threads : thread_counts) {
+            std::vector<float> out = c;
+            if (beta == 0.0f)
+                for (index_t i = 0; i < m; ++i) std::fill_n(out.begin() + i * ldc, n, std::numeric_limits<float>::quiet_NaN());
+            run(out.data(), beta, alpha, threads);
+            index_t bad = 0, first = -1;
+            double worst = 0;
+            for (index_t i = 0; i < m; ++i)
+                for (index_t j = 0; j < ldc; ++j) {
+                    const float got = out[i * ldc + j];
+                    bool ok;
+                    if (j >= n) {
+                        ok = std::memcmp(&got, &c[i * ldc + j], sizeof got) == 0;
+                    } else {
+                        const double err = std::abs(double(got) - ref[i * n + j]), s = scale[i * n + j];
+                        ok = err <= 1e-5 * s;  // false for NaN
+                        if (s > 0) worst = std::max(worst, err / s);
+                    }
+                    if (!ok && bad++ == 0) first = i * ldc + j;
+                }
+            INFO(form_name(f) << " " << m << "x" << n << "x" << k << " lda " << lda << " ldb " << ldb << " ldc " << ldc
+                              << " beta " << beta << " alpha " << alpha << " threads " << threads << ": " << bad
+                              << " bad elements, the first at " << first << "; worst relative error " << worst);
+            CHECK(bad == 0);
+        }
+    }
+};
+
+}  // namespace
+
+TEST_CASE("gemm_packed: every shape from 1 to 70 on each side, strided, against a double reference") {
+    // Each of m, n and k runs through 1..70 against the other two drawn from it in different orders:
+    // every partial tile (rows mod 14, columns mod 32) and K depths not a multiple of 16.
+    std::uint64_t seed = 1;
+    for (form f : {nn, nt, tn})
+        for (index_t t = 0; t < 70; ++t) {
+            const index_t x = 1 + t, y = 1 + (t * 17 + 5) % 70, z = 1 + (t * 29 + 11) % 70;
+            for (auto [m, n, k] : {std::array<index_t, 3>{x, y, z}, {z, x, y}, {y, z, x}}) {
+                const index_t pad = 1 + (m + n + k) % 5;
+                const problem p(f, m, n, k, pad, seed += 3);
+                p.check(0.0f, 1.0f, {1, 2});
+                p.check(1.0f, 1.0f, {1});
+                p.check(0.5f, 2.0f, {1, 3});
+            }
+        }
+}
+
+TEST_CASE("gemm_packed: shapes that cross blocks, on 1 to 3 threads") {
+    // Several K blocks (kc 512), several row blocks a thread (mc 252), several column blocks (nc
+    // 2048), and a B too large to share (over 4M floats packed), each with partial tiles at the edges.
+    struct shape {
+        index_t m, n, k;
+    };
+    std::uint64_t seed = 500;
+    for (form f : {nn, nt, tn})
+        for (auto [m, n, k] : {shape{97, 70, 1100}, shape{600, 45, 37}, shape{30, 2100, 40}, shape{20, 4100, 700},
+                               shape{1000, 250, 130}}) {
+            const problem p(f, m, n, k, 3, seed += 3);
+            p.check(0.0f, 1.0f, {1, 2, 3});
+            p.check(0.5f, 2.0f, {1, 2});
+        }
+}
+
+TEST_CASE("gemm_packed: k = 0 scales C by beta (beta 0 clears it, NaN or not)") {
+    for (form f : {nn, nt, tn}) {
+        const problem p(f, 20, 40, 0, 2, 900);
+        for (float beta : {0.0f, 1.0f, 0.5f}) {
+            std::vector<float> out = p.c;
+            if (beta == 0.0f)
+                for (index_t i = 0; i < p.m; ++i) std::fill_n(out.begin() + i * p.ldc, p.n, std::numeric_limits<float>::quiet_NaN());
+            p.run(out.data(), beta, 2.0f, 1);
+            for (index_t i = 0; i < p.m; ++i)
+                for (index_t j = 0; j < p.n; ++j) CHECK(out[i * p.ldc + j] == beta * p.c[i * p.ldc + j]);
+        }
+    }
+}
+
+TEST_CASE("gemm_packed: the same bits on 1, 2 and 3 threads, shared or private B, and through gemm.hpp") {
+    struct shape {
+        index_t m, n, k;
+    };
+    std::uint64_t seed = 700;
+    for (form f : {nn, nt, tn})
+        for (auto [m, n, k] : {shape{1024, 256, 256}, shape{256, 1024, 1024}, shape{513, 77, 2049}, shape{301, 4100, 700},
+                               shape{29, 300, 600}}) {
+            for (float beta : {0.0f, 1.0f}) {
+                const problem p(f, m, n, k, 0, seed += 3);
+                std::vector<float> out[3];
+                for (int t = 1; t <= 3; ++t) {
+                    out[t - 1] = p.c;
+                    p.run(out[t - 1].data(), beta, 1.0f, t);
+                }
+                INFO(form_name(f) << " " << m << "x" << n << "x" << k << " beta " << beta);
+                CHECK(std::memcmp(out[1].data(), out[0].data(), out[0].size() * sizeof(float)) == 0);
+                CHECK(std::memcmp(out[2].data(), out[0].data(), out[0].size() * sizeof(float)) == 0);
+                // Through the dispatching forms with omp_set_num_threads: the same bits again
+                // wherever they take the packed path.
+                if (!K::use_packed(m, n, k)) continue;
+#ifdef MNEMO_USE_BLAS
+                if (K::use_blas<float>(m, n, k)) continue;
+#endif
+                const int saved = omp_get_max_threads();
+                for (int t = 1; t <= 3; ++t) {
+                    omp_set_num_threads(t);
+                    std::vector<float> via = p.c;
+                    p.dispatch(via.data(), beta, 1.0f);
+                    CHECK(std::memcmp(via.data(), out[0].data(), via.size() * sizeof(float)) == 0);
+                }
+                omp_set_num_threads(saved);
+            }
+        }
+}
+
+TEST_CASE("gemm_packed: a packing task another thread never finishes is packed again, not waited for") {
+    std::atomic<int> done{2}, stuck{1};
+    CHECK(GP::packed(done));
+    CHECK_FALSE(GP::packed(stuck));
+}
+
+TEST_CASE("gemm_packed: called inside a parallel region, each call runs on its own thread with the same bits") {
+    const problem p(nt, 1024, 256, 256, 0, 77);
+    std::vector<float> serial = p.c;
+    p.dispatch(serial.data(), 0.0f, 1.0f);
+    std::vector<float> c[2] = {p.c, p.c};
+#pragma omp parallel num_threads(2)
+    p.dispatch(c[omp_get_thread_num()].data(), 0.0f, 1.0f);
+    CHECK(c[0] == serial);
+    CHECK(c[1] == serial);
+}
+
+TEST_CASE("gemm_packed: a steady-state GEMM allocates nothing, on 1 and 2 threads, B shared or not") {
+    const problem p(nn, 1024, 256, 256, 0, 90), q(tn, 256, 256, 1024, 0, 91), r(nt, 1024, 512, 256, 0, 92),
+        big(nt, 200, 4100, 700, 0, 93);
+    std::vector<float> c(200 * 4100);
+    const int saved = omp_get_max_threads();
+    for (int t : {1, 2}) {
+        omp_set_num_threads(t);
+        auto step = [&] {
+            p.dispatch(c.data(), 0.0f, 1.0f);
+            q.dispatch(c.data(), 1.0f, 1.0f);
+            r.dispatch(c.data(), 0.0f, 1.0f);
+            big.dispatch(c.data(), 0.0f, 1.0f);
+        };
+        step();  // buffers grow here
+        INFO("threads " << t);
+        CHECK(mnemo::testing::count_allocations([&] {
+                  for (int i = 0; i < 2; ++i) step();
+              }) == 0);
+    }
+    omp_set_num_threads(saved);
+}
+
+TEST_CASE("gemm dispatch: the large float products go to gemm_packed; small, skinny and double ones do not") {
+    struct shape {
+        index_t m, n, k;
+    };
+    // The 17 large products of configurations B and C (bench_kernels' model rows).
+    for (index_t d : {256, 512})
+        for (auto [m, n, k] : {shape{1024, d, d}, shape{1024, 4 * d, d}, shape{1024, d, 4 * d}, shape{3072, 2 * d, d},
+                               shape{3072, d, 2 * d}, shape{d, d, 1024}, shape{4 * d, d, 1024}, shape{d, 4 * d, 1024},
+                               shape{2 * d, d, 3072}}) {
+            INFO(m << "x" << n << "x" << k);
+            CHECK(K::use_packed(m, n, k));
+        }
+    // Per-head attention products, generation's GEMVs, skinny and shallow products stay on Eigen.
+    for (auto [m, n, k] : {shape{8, 152, 32}, shape{128, 384, 32}, shape{1, 1024, 1024}, shape{2, 4096, 512},
+                           shape{64, 64, 64}, shape{16, 1024, 1024}, shape{1024, 1024, 16}, shape{1024, 48, 256}}) {
+        INFO(m << "x" << n << "x" << k);
+        CHECK_FALSE(K::use_packed(m, n, k));
+    }
+}
+
+#else
+
+TEST_CASE("gemm_packed: not compiled (no AVX-512), every product stays on Eigen") {
+    MESSAGE("built without AVX-512: gemm_packed is not compiled and gemm.hpp uses Eigen throughout");
+}
+
+#endif
