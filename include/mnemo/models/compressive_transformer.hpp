@@ -157,19 +157,8 @@ public:
         };
         c_rows_ = lc;
         all_normalised_ = grad_enabled_ || !reuse.n;
-        if (all_normalised_) {
-            normalise(0, lb);
-        } else {
-            index_t at = 0;  // the positions outside the reused spans (at most two, in either order)
-            const auto* sp = reuse.spans;
-            const bool swap = reuse.n == 2 && sp[1].dst < sp[0].dst;
-            for (index_t i = 0; i <= reuse.n; ++i) {
-                const kv_reuse::span* cur = i < reuse.n ? &sp[swap ? 1 - i : i] : nullptr;
-                const index_t end = cur ? cur->dst : lb / batch;
-                if (end > at) normalise(at * batch, end * batch);
-                if (cur) at = std::max(at, cur->dst + cur->len);
-            }
-        }
+        if (all_normalised_) normalise(0, lb);
+        else reuse.for_each_gap(lb / batch, [&](index_t p0, index_t p1) { normalise(p0 * batch, p1 * batch); });
         K::copy(qb, D, x.data(), x.ld(), x_in.data(), D);
         norm_self_attn_.forward(x_in, z.row_range(lb, qb), norm_stats<T>{mean_.ensure(qb), rstd_.ensure(qb)});
 

@@ -82,6 +82,23 @@ struct kv_reuse {
     void add(index_t dst, index_t src, index_t len) {
         if (len > 0 && n < 2) spans[n++] = {dst, src, len};
     }
+    /// The same spans in order of position (dst).
+    kv_reuse sorted() const {
+        kv_reuse r = *this;
+        if (r.n == 2 && r.spans[1].dst < r.spans[0].dst) std::swap(r.spans[0], r.spans[1]);
+        return r;
+    }
+    /// f(begin, end) for every run of positions in [0, k_len) that no span covers, in order.
+    template <class F>
+    void for_each_gap(index_t k_len, F&& f) const {
+        const kv_reuse r = sorted();
+        index_t at = 0;
+        for (index_t i = 0; i <= r.n; ++i) {
+            const index_t end = i < r.n ? std::min(r.spans[i].dst, k_len) : k_len;
+            if (end > at) f(at, end);
+            if (i < r.n) at = std::max(at, r.spans[i].dst + r.spans[i].len);
+        }
+    }
 };
 
 /// Key rows that need no input gradient (a detached memory), given to relative_attention::backward.
@@ -418,33 +435,27 @@ private:
                     "the memory's keys (absorbed); call keep_projections(true) before that forward");
         T* kv = kv_.ensure(std::max(k_len_, last_k_len_) * batch_ * 2 * D);  // growing keeps the last call's rows
         const index_t row = batch_ * 2 * D;  // elements per position
-        kv_reuse::span order[2];
-        index_t n = 0;
-        for (index_t i = 0; i < reuse.n; ++i) {
-            const auto& sp = reuse.spans[i];
+        const kv_reuse order = reuse.sorted();
+        const index_t n = order.n;
+        for (index_t i = 0; i < n; ++i) {
+            const auto& sp = order.spans[i];
             MNEMO_CHECK(sp.dst >= 0 && sp.src >= 0 && sp.len >= 0 && sp.dst + sp.len <= k_len_ &&
                             sp.src + sp.len <= last_k_len_,
                         "relative_attention '", name_, "': key/value reuse span out of range");
-            order[n++] = sp;
         }
-        if (n == 2 && order[1].dst < order[0].dst) std::swap(order[0], order[1]);  // by position
-        MNEMO_CHECK(n < 2 || order[0].dst + order[0].len <= order[1].dst, "relative_attention '", name_,
-                    "': key/value reuse spans overlap");
+        MNEMO_CHECK(n < 2 || order.spans[0].dst + order.spans[0].len <= order.spans[1].dst, "relative_attention '",
+                    name_, "': key/value reuse spans overlap");
         auto move = [&](const kv_reuse::span& sp) {
             if (sp.dst != sp.src && sp.len > 0)
                 std::memmove(kv + sp.dst * row, kv + sp.src * row, sizeof(T) * std::size_t(sp.len * row));
         };
         for (index_t i = 0; i < n; ++i)
-            if (order[i].dst < order[i].src) move(order[i]);
+            if (order.spans[i].dst < order.spans[i].src) move(order.spans[i]);
         for (index_t i = n - 1; i >= 0; --i)
-            if (order[i].dst > order[i].src) move(order[i]);
-        // Project the positions outside the spans.
-        index_t at = 0;
-        for (index_t i = 0; i <= n; ++i) {
-            const index_t end = i < n ? order[i].dst : k_len_;
-            if (end > at) project_kv((end - at) * batch_, z + at * batch_ * ldz, ldz, kv + at * row);
-            if (i < n) at = std::max(at, order[i].dst + order[i].len);
-        }
+            if (order.spans[i].dst > order.spans[i].src) move(order.spans[i]);
+        order.for_each_gap(k_len_, [&](index_t p0, index_t p1) {  // project the positions outside the spans
+            project_kv((p1 - p0) * batch_, z + p0 * batch_ * ldz, ldz, kv + p0 * row);
+        });
         return kv;
     }
 
