@@ -2,6 +2,7 @@
 // indexing by δ = L_mem + i − j), backward against finite differences in double.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -161,8 +162,12 @@ TEST_CASE("relative_attention: absorbed memory equals projected memory, forward 
     struct run {
         std::vector<double> out, dzq, dzkv, grads, dgamma, dbeta;
     };
-    for (int variant = 0; variant < 4; ++variant) {
-        INFO("variant " << variant);
+    // Variants 4 and 5 are 0 and 1 with the norm's rows also given to forward (the absorbed route
+    // then works from ẑ and forms no d z for the memory rows).
+    for (int v = 0; v < 6; ++v) {
+        INFO("variant " << v);
+        const int variant = v < 4 ? v : v - 4;
+        const bool forward_norm = v >= 4;
         auto go = [&](mnemo::memory_attention mode) {
             mnemo::parameter_set<double> ps;
             mnemo::relative_attention<double, cfg> attn(ps, "self_attn", P);
@@ -188,15 +193,22 @@ TEST_CASE("relative_attention: absorbed memory equals projected memory, forward 
             out.dzkv.assign(Kn * B * D, -7.0);  // frozen rows must stay untouched
             out.dgamma.assign(D, 0.5);
             out.dbeta.assign(D, -0.25);
-            attn.forward(view<const double, D>(zq.data(), Q * B), view<const double, D>(zkv.data(), Kn * B), B,
-                         view<double, D>(out.out.data(), Q * B));
-            CHECK(attn.last_forward_absorbed() == (mode == mnemo::memory_attention::absorbed));
-            ps.zero_grad();
             mnemo::frozen_key_rows<double> frozen;
             if (variant == 0 || variant == 1)
                 frozen = {mem * B, zhat.data(), D, gamma.data(), beta.data(), out.dgamma.data(), out.dbeta.data()};
             if (variant == 2) frozen = {2 * B};  // raw rows, the first two positions only
-            attn.backward(view<const double, D>(zq.data(), Q * B), view<const double, D>(zkv.data(), Kn * B),
+            // Absorbed with the norm's rows: the memory rows of z_kv are NaN and marked unwritten (never read).
+            mnemo::frozen_key_rows<double> norm_rows = forward_norm ? frozen : mnemo::frozen_key_rows<double>{};
+            auto zkv_seen = zkv;
+            if (forward_norm && mode == mnemo::memory_attention::absorbed) {
+                norm_rows.z_unwritten = true;
+                std::fill(zkv_seen.begin(), zkv_seen.begin() + mem * B * D, std::nan(""));
+            }
+            attn.forward(view<const double, D>(zq.data(), Q * B), view<const double, D>(zkv_seen.data(), Kn * B), B,
+                         view<double, D>(out.out.data(), Q * B), {}, norm_rows);
+            CHECK(attn.last_forward_absorbed() == (mode == mnemo::memory_attention::absorbed));
+            ps.zero_grad();
+            attn.backward(view<const double, D>(zq.data(), Q * B), view<const double, D>(zkv_seen.data(), Kn * B),
                           view<const double, D>(r.data(), Q * B), view<double, D>(out.dzq.data(), Q * B),
                           view<double, D>(out.dzkv.data(), Kn * B), false, frozen);
             out.grads.assign(ps.grads(), ps.grads() + ps.size());

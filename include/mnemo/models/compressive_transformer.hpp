@@ -144,11 +144,15 @@ public:
         // straight from the memory, ẑ kept. The segment's rows are kept with their statistics.
         // Without gradients (generation), the rows whose keys and values the attention reuses are
         // not read at all: only the others are normalised.
+        // When the attention takes the absorbed route, which reads the memory through ẑ alone, the
+        // memory rows of z are not written at all (normalised_memory_rows fills them on demand).
         view<T, DM, Backend> x_in(kv_in_.ensure(qb * D), qb), z(z_.ensure(kb * D), kb), zhat(zhat_.ensure(lb * D), lb);
+        z_mem_unwritten_ = grad_enabled_ && !reuse.n && self_attn_.would_absorb(qb / batch, kb / batch);
         auto normalise_part = [&](view<const T, DM, Backend> src, index_t first, index_t b0, index_t b1) {
             if (b0 >= b1) return;  // rows [b0, b1) of z, from src, which holds z's rows from `first` on
             const auto in = src.row_range(b0 - first, b1 - b0);
-            if (grad_enabled_) norm_self_attn_.forward_normalized(in, z.row_range(b0, b1 - b0), zhat.row_range(b0, b1 - b0));
+            if (z_mem_unwritten_) norm_self_attn_.normalized(in, zhat.row_range(b0, b1 - b0));
+            else if (grad_enabled_) norm_self_attn_.forward_normalized(in, z.row_range(b0, b1 - b0), zhat.row_range(b0, b1 - b0));
             else norm_self_attn_.forward(in, z.row_range(b0, b1 - b0), norm_stats<T>{});
         };
         auto normalise = [&](index_t r0, index_t r1) {  // memory rows [r0, r1) of [c_mem, mem]
@@ -164,7 +168,13 @@ public:
 
         view<T, DM, Backend> a(attn_out_.ensure(qb * D), qb), x_mid(x_mid_.ensure(qb * D), qb),
             z2(z2_.ensure(qb * D), qb), f(ff_out_.ensure(qb * D), qb);
-        self_attn_.forward(z.row_range(lb, qb), z, batch, a, reuse);
+        // With gradients the memory rows are ẑ∘γ + β with ẑ kept: the attention may work from ẑ (the
+        // same rows backward gives it as frozen).
+        frozen_key_rows<T> norm_rows;
+        if (grad_enabled_)
+            norm_rows = {lb, zhat_.data(), D, norm_self_attn_.weight().value(), norm_self_attn_.bias().value(),
+                         nullptr, nullptr, z_mem_unwritten_};
+        self_attn_.forward(z.row_range(lb, qb), z, batch, a, reuse, norm_rows);
         join(gate_attn_, x, a, x_mid);
         norm_ff_.forward(x_mid, z2);
         feed_forward_.forward(z2, f);
@@ -213,10 +223,19 @@ public:
     /// normalised memory and segment, oldest first (the attention-reconstruction loss's LN(m) for the
     /// rows the merge compresses away). Null when that forward did not normalise them all (post-LN, or
     /// reused rows skipped without gradients) or holds fewer rows.
-    const T* normalised_memory_rows(index_t rows) const {
+    /// (Memory rows the forward left unwritten are filled here from ẑ: z = ẑ∘γ + β.)
+    const T* normalised_memory_rows(index_t rows) {
         if (options_.norm != norm_kind::pre || !all_normalised_ || rows > mem_rows_ - c_rows_ + batch_q_rows_)
             return nullptr;
-        return z_.data() + c_rows_ * D;
+        T* z = z_.data() + c_rows_ * D;
+        if (z_mem_unwritten_) {
+            const T *g = norm_self_attn_.weight().value(), *be = norm_self_attn_.bias().value();
+            const T* zh = zhat_.data() + c_rows_ * D;
+            for (index_t r = 0; r < std::min(rows, mem_rows_ - c_rows_); ++r)
+#pragma omp simd
+                for (index_t i = 0; i < D; ++i) z[r * D + i] = zh[r * D + i] * g[i] + be[i];
+        }
+        return z;
     }
     /// Whether this layer keeps memory (and has a compression function).
     bool has_memory() const { return compress_.has_value(); }
@@ -320,6 +339,7 @@ private:
     bool grad_enabled_ = true, forward_grad_ = true;  // the setting, and the one the last forward ran with
     index_t c_rows_ = 0, batch_q_rows_ = 0;            // the last pre-LN forward's c_mem rows and query rows
     bool all_normalised_ = false;                      // ... and whether it normalised every row of z
+    bool z_mem_unwritten_ = false;                     // ... or only ẑ for its memory rows (absorbed route)
     buffer<T> kv_in_, z_, zhat_, mean_, rstd_, attn_out_, x_mid_, z2_, ff_out_, d_mid_, dz2_, dz_, d_sub_;
 };
 

@@ -64,6 +64,16 @@ public:
                               eps_, y.data(), y.ld(), static_cast<T*>(nullptr), static_cast<T*>(nullptr), xhat.data(),
                               xhat.ld());
     }
+    /// x̂ = (x − μ)·r alone (no affine, nothing saved): bitwise forward_normalized's x̂.
+    template <view_of<T> X, view_of<T> XH>
+    void normalized(const X& x, const XH& xhat) const {
+        static_assert(check_view<D, X, axis::d_model, Backend>());
+        static_assert(check_view<D, XH, axis::d_model, Backend>());
+        check_rows(x, xhat, "layer_norm", "x", "xhat");
+        K::layer_norm_forward(x.rows(), static_cast<index_t>(D), x.data(), x.ld(), weight_.value(), bias_.value(),
+                              eps_, static_cast<T*>(nullptr), index_t(0), static_cast<T*>(nullptr),
+                              static_cast<T*>(nullptr), xhat.data(), xhat.ld());
+    }
     /// y = LN(x), statistics saved in the module's own buffers.
     template <view_of<T> X, view_of<T> Y>
     void forward(const X& x, const Y& y) {

@@ -119,6 +119,9 @@ struct frozen_key_rows {
     const T* beta = nullptr;
     T* dgamma = nullptr;
     T* dbeta = nullptr;
+    /// Given to forward: the memory rows of z_kv were not written, only ẑ (the caller asked
+    /// would_absorb first); forward fails rather than read them.
+    bool z_unwritten = false;
 };
 
 /// How relative_attention computes the memory's share (the key positions before the segment):
@@ -168,6 +171,9 @@ public:
     memory_attention memory_attention_mode() const { return mode_; }
     /// Whether the last forward took the absorbed route.
     bool last_forward_absorbed() const { return absorbed_; }
+    /// Whether a forward of q_len query positions over k_len key positions without key/value reuse
+    /// would take it. With norm rows given as well, such a forward never reads the memory rows of z_kv.
+    bool would_absorb(index_t q_len, index_t k_len) const { return use_absorbed(q_len, k_len - q_len); }
     /// While on, every forward projects the keys and values of all positions (never absorbed), so a
     /// following forward may reuse them (kv_reuse). The compressive model turns it on with its
     /// generation cache.
@@ -187,8 +193,13 @@ public:
     /// with the first K − Q key positions the memory. Saves q, k, v and the attention weights.
     /// With `reuse`, the keys and values of the positions it names are copied from the previous call
     /// instead of projected again; only the others are projected.
+    /// `norm_rows` (zhat, gamma, beta; the gradient pointers are not read here): the memory rows are a
+    /// layer norm's output ẑ∘γ + β, as the frozen rows that backward will be given. The absorbed route
+    /// then forms the memory's context from ẑ, which lets backward take the norm's gradients from
+    /// [H·Q, D] products it already has instead of forming the memory rows' d z ([M, D] per batch element).
     template <view_of<T> ZQ, view_of<T> ZKV, view_of<T> O>
-    void forward(const ZQ& zq, const ZKV& zkv, index_t batch, const O& out, const kv_reuse& reuse = {}) {
+    void forward(const ZQ& zq, const ZKV& zkv, index_t batch, const O& out, const kv_reuse& reuse = {},
+                 const frozen_key_rows<T>& norm_rows = {}) {
         static_assert(check_view<d_model, ZQ, axis::d_model, Backend>());
         static_assert(check_view<d_model, ZKV, axis::d_model, Backend>());
         static_assert(check_view<d_model, O, axis::d_model, Backend>());
@@ -198,7 +209,7 @@ public:
         view<T, d_model, Backend> q(q_.ensure(qb * D), qb), qu(qu_.ensure(qb * D), qb), ctx(ctx_.ensure(qb * D), qb);
         query_.forward(zq, q);
         const index_t mem = k_len_ - q_len_;
-        const bool absorb = !reuse.n && use_absorbed(mem);
+        const bool absorb = !reuse.n && use_absorbed(q_len_, mem);
         T* kv = reuse.n ? reuse_kv(reuse, zkv.data(), zkv.ld()) : kv_.ensure(kb * 2 * D);  // row r: [k_r, v_r]
         if (!reuse.n) {
             // Absorbed: only the segment's keys and values are projected (rows from mem·B on).
@@ -206,6 +217,11 @@ public:
             project_kv(kb - r0, zkv.data() + r0 * zkv.ld(), zkv.ld(), kv + r0 * 2 * D);
         }
         absorbed_ = absorb;
+        // Memory as ẑ∘γ + β (see above): only for the absorbed route over all the memory rows.
+        hat_ = absorb && norm_rows.zhat && norm_rows.rows == mem * batch_ ? norm_rows : frozen_key_rows<T>{};
+        MNEMO_CHECK(!norm_rows.z_unwritten || hat_.zhat, "relative_attention '", name_, "': the memory rows of z_kv "
+                    "were left unwritten (only their ẑ given), but this forward does not take the absorbed route over "
+                    "all of them");
         last_k_len_ = k_len_;
         last_batch_ = batch_;
         K::copy(qb, D, q.data(), D, qu.data(), D);
@@ -462,20 +478,26 @@ private:
     /// Absorbed memory when it needs under half the multiply-adds of projected, forward and backward,
     /// per batch element: projected 4·M·D² (projections, their weight and norm gradients) + 6·Q·M·D
     /// (per-head products); absorbed 6·Q·D² + 6·H·Q·M·D.
-    bool use_absorbed(index_t mem) const {
+    bool use_absorbed(index_t q_len, index_t mem) const {
         if (mem == 0 || keep_projections_ || mode_ == memory_attention::projected) return false;
         if (mode_ == memory_attention::absorbed) return true;
-        const double s = double(q_len_), m = double(mem), d = double(D), h = double(H);
+        const double s = double(q_len), m = double(mem), d = double(D), h = double(H);
         const double projected = 4 * m * d * d + 6 * s * m * d, absorbed = 6 * s * d * d + 6 * h * s * m * d;
         return 2 * absorbed < projected;
     }
 
-    // Absorbed memory. Per head h, W_k,h and W_v,h are the rows [h·d_k, (h+1)·d_k) of W_k and W_v [D, D]:
-    //   q̃_h = (q + u)_h·W_k,h [Q·B, D]             score[i, j < M] = q̃_h,i · ẑ_j
-    //   U_h = A_h,mem·ẑ      [Q·B, D]             context_h += U_h·W_v,hᵀ + (Σ_{j<M} a[i, j])·b_v,h
+    // Absorbed memory (z: the memory's rows). Per head h, W_k,h and W_v,h are the rows
+    // [h·d_k, (h+1)·d_k) of W_k and W_v [D, D]:
+    //   q̃_h = (q + u)_h·W_k,h [Q·B, D]             score[i, j < M] = q̃_h,i · z_j
+    //   U_h = A_h,mem·z      [Q·B, D]             context_h += U_h·W_v,hᵀ + (Σ_{j<M} a[i, j])·b_v,h
     // q̃ and U live as [H·Q, B, D]: head h's block is [Q·B, D] in the queries' row order, and batch
     // element b's rows (h, i) are one strided matrix [H·Q, D] (stride B·D), so the memory's share of
-    // every head of b is one GEMM with ẑ_b [M, D] (stride B·ld).
+    // every head of b is one GEMM with z_b [M, D] (stride B·ld).
+    // With the memory a layer norm's output z = ẑ∘γ + β (hat_), U comes from Û = A_mem·ẑ (kept) as
+    // Û∘γ + (Σ_{j<M} a)⊗β, and backward's d q̃ = dS·z from dS·ẑ likewise. The norm's gradients then
+    // need no d z = dSᵀ·q̃ + Aᵀ·dU ([M, D]): over the memory rows,
+    //   Σ_j dz∘ẑ = Σ_rows q̃∘(dS·ẑ) + dU∘Û      Σ_j dz = Σ_rows (Σ_{j<M} dS)·q̃ + (Σ_{j<M} a)·dU
+    // (elementwise over b's [H·Q, D] rows), two [H·Q, M]×[M, D] GEMMs fewer per batch element.
 
     /// Forward of the memory's share, then head(b, h) (the segment's share, softmax, context) per head.
     template <class Head>
@@ -484,21 +506,39 @@ private:
         const index_t ldb = batch_ * D, ldzb = batch_ * ldz;
         const T *wk = key_.weight().value(), *wv = value_.weight().value(), *bv = value_.bias().value();
         T *qt = qt_.ensure(H * qb * D), *ut = ut_.ensure(H * qb * D), *rs = row_mass_.ensure(batch_ * hq);
+        const bool hat = hat_.zhat != nullptr;
+        T* uh = hat ? ut_hat_.ensure(H * qb * D) : nullptr;
+        const index_t ldhb = batch_ * hat_.ld_zhat;
+        T* blocks = hat ? thread_blocks_.ensure(thread_slots() * hq * (D + 1)) : nullptr;
         for_each_head(qb * D * Dk, [&](index_t h) {
             K::gemm_nn(qb, D, Dk, qu + h * Dk, D, wk + h * Dk * D, D, qt + h * qb * D, D);
         });
         parallel_range(batch_, worth_threads(), [&](index_t b0, index_t b1) {
+            T* qg = hat ? blocks + thread_slot(b0, b1) * hq * (D + 1) : nullptr;  // q̃∘γ [H·Q, D], then q̃·β [H·Q]
             for (index_t b = b0; b < b1; ++b) {
-                const T* zb = z + b * ldz;
                 T* ab = attn + b * hq * k_len_;
-                K::gemm_nt(hq, mem, D, qt + b * D, ldb, zb, ldzb, ab, k_len_);  // memory scores, every head
+                if (!hat) {
+                    K::gemm_nt_direct(hq, mem, D, qt + b * D, ldb, z + b * ldz, ldzb, ab, k_len_);  // memory scores
+                } else {  // q̃·z_j = (q̃∘γ)·ẑ_j + q̃·β
+                    T* qbeta = qg + hq * D;
+                    for (index_t r = 0; r < hq; ++r) qbeta[r] = scale_row(qt + b * D + r * ldb, hat_.gamma, hat_.beta, qg + r * D);
+                    K::gemm_nt_direct(hq, mem, D, qg, D, hat_.zhat + b * hat_.ld_zhat, ldhb, ab, k_len_);
+                    for (index_t r = 0; r < hq; ++r)
+                        for (index_t j = 0; j < mem; ++j) ab[r * k_len_ + j] += qbeta[r];
+                }
                 for (index_t h = 0; h < H; ++h) head(b, h);
-                K::gemm_nn(hq, D, mem, ab, k_len_, zb, ldzb, ut + b * D, ldb);  // U = A_mem·ẑ
+                if (!hat) K::gemm_nn_direct(hq, D, mem, ab, k_len_, z + b * ldz, ldzb, ut + b * D, ldb);  // U = A_mem·z
+                else K::gemm_nn_direct(hq, D, mem, ab, k_len_, hat_.zhat + b * hat_.ld_zhat, ldhb, uh + b * D, ldb);  // Û
                 for (index_t r = 0; r < hq; ++r) {
                     const T* ar = ab + r * k_len_;
                     T sum = T(0);
                     for (index_t j = 0; j < mem; ++j) sum += ar[j];
                     rs[b * hq + r] = sum;
+                    if (!hat) continue;
+                    const T *g = hat_.gamma, *be = hat_.beta, *ur = uh + b * D + r * ldb;
+                    T* u = ut + b * D + r * ldb;
+#pragma omp simd
+                    for (index_t i = 0; i < D; ++i) u[i] = ur[i] * g[i] + sum * be[i];  // U = Û∘γ + (Σ a)⊗β
                 }
             }
         });
@@ -529,9 +569,17 @@ private:
         T* dc = d_bias_score_.ensure(batch_ * hq);
         // d z of the memory rows is needed for the frozen rows' norm gradients and for the rows that
         // are not frozen; frozen raw rows (no norm) need nothing. One [M, D] block per thread.
+        // With the forward's ẑ (hat_) and the same rows frozen now, no d z at all (see above).
+        const bool hat = hat_.zhat && frozen.zhat == hat_.zhat && frozen.ld_zhat == hat_.ld_zhat && frozen.rows == lb &&
+                         frozen.gamma == hat_.gamma && frozen.beta == hat_.beta;
+        MNEMO_CHECK(hat || !hat_.z_unwritten, "relative_attention '", name_, "': backward's frozen rows differ from "
+                    "the norm rows forward was given, whose z rows were left unwritten");
         const bool norm_rows = frozen.rows > 0 && frozen.zhat, open_rows = frozen.rows < lb && d_zkv;
         const index_t slots = std::min<index_t>(index_t(omp_get_max_threads()), batch_);
-        T* dz_blocks = (norm_rows || open_rows) ? dz_mem_.ensure(slots * mem * D) : nullptr;
+        T* dz_blocks = !hat && (norm_rows || open_rows) ? dz_mem_.ensure(slots * mem * D) : nullptr;
+        T* blocks = hat ? thread_blocks_.ensure(thread_slots() * hq * (D + 1)) : nullptr;
+        const T* uh = ut_hat_.data();
+        const index_t ldhb = batch_ * frozen.ld_zhat;
         T* norm_partial = norm_rows ? norm_acc_.ensure(batch_ * 2 * D) : nullptr;  // [B, 2D]: Σ dz∘ẑ, Σ dz
         for_each_head(2 * qb * D * Dk, [&](index_t h) {
             K::gemm_nn(qb, D, Dk, d_ctx + h * Dk, D, wv + h * Dk * D, D, dut + h * qb * D, D);       // dU_h
@@ -552,19 +600,30 @@ private:
                 }
         parallel_range(batch_, worth_threads(), [&](index_t b0, index_t b1) {
             // The whole range on one call: any block will do; otherwise this thread's own.
-            T* dzb = dz_blocks ? dz_blocks + (b1 - b0 == batch_ ? 0 : omp_get_thread_num()) * mem * D : nullptr;
+            T* dzb = dz_blocks ? dz_blocks + thread_slot(b0, b1) * mem * D : nullptr;
+            T* dug = hat ? blocks + thread_slot(b0, b1) * hq * (D + 1) : nullptr;  // dU∘γ [H·Q, D]
             for (index_t b = b0; b < b1; ++b) {
                 const T* zb = z + b * ldz;
                 const T* ab = attn + b * hq * k_len_;
                 T* dsb = d_scores + b * hq * k_len_;
-                K::gemm_nt(hq, mem, D, dut + b * D, ldb, zb, ldzb, dsb, k_len_);  // d a over the memory columns
+                if (!hat) {
+                    K::gemm_nt_direct(hq, mem, D, dut + b * D, ldb, zb, ldzb, dsb, k_len_);  // d a over the memory columns
+                } else {  // dU·z_j = (dU∘γ)·ẑ_j + dU·β, the second term with the bias's below
+                    for (index_t r = 0; r < hq; ++r)
+                        dc[b * hq + r] += scale_row(dut + b * D + r * ldb, frozen.gamma, frozen.beta, dug + r * D);
+                    K::gemm_nt_direct(hq, mem, D, dug, D, frozen.zhat + b * frozen.ld_zhat, ldhb, dsb, k_len_);
+                }
                 for (index_t r = 0; r < hq; ++r) {
                     const T c = dc[b * hq + r];
                     T* dr = dsb + r * k_len_;
                     for (index_t j = 0; j < mem; ++j) dr[j] += c;
                 }
                 for (index_t h = 0; h < H; ++h) head(b, h);  // d raw scores from here on
-                K::gemm_nn(hq, D, mem, dsb, k_len_, zb, ldzb, dqt + b * D, ldb);  // d q̃
+                if (hat) {
+                    hat_backward(b, dsb, frozen, ldhb, qt, uh, dut, rs, dqt, norm_partial + b * 2 * D);
+                    continue;
+                }
+                K::gemm_nn_direct(hq, D, mem, dsb, k_len_, zb, ldzb, dqt + b * D, ldb);  // d q̃
                 if (!dzb) continue;
                 K::gemm_tn(mem, D, hq, dsb, k_len_, qt + b * D, ldb, dzb, D);          // d z = dSᵀ·q̃
                 K::gemm_tn(mem, D, hq, ab, k_len_, dut + b * D, ldb, dzb, D, T(1));    //     + Aᵀ·dU
@@ -585,6 +644,45 @@ private:
             K::gemm_nt(qb, Dk, D, dqt + h * qb * D, D, wk + h * Dk * D, D, dqu + h * Dk, D, T(1));   // d(q+u)_h
             K::gemm_tn(Dk, D, qb, qu + h * Dk, D, dqt + h * qb * D, D, gk + h * Dk * D, D, T(1));    // dW_k,h
         });
+    }
+
+    /// out = row∘γ; returns row·β.
+    static T scale_row(const T* row, const T* gamma, const T* beta, T* out) {
+        T dot = T(0);
+#pragma omp simd reduction(+ : dot)
+        for (index_t i = 0; i < D; ++i) {
+            out[i] = row[i] * gamma[i];
+            dot += row[i] * beta[i];
+        }
+        return dot;
+    }
+    /// Scratch blocks for the per-batch-element loops: one per thread that parallel_range may use,
+    /// and the calling thread's (block 0 when one call has the whole range).
+    index_t thread_slots() const { return std::min<index_t>(index_t(omp_get_max_threads()), batch_); }
+    index_t thread_slot(index_t b0, index_t b1) const { return b1 - b0 == batch_ ? 0 : omp_get_thread_num(); }
+
+    /// Batch element b's d q̃ = dS·z from dS·ẑ (into dqt's rows, then completed in place), and its norm
+    /// partials acc [2D] (assigned) from q̃, dS·ẑ, dU, Û and the row sums (see absorbed_forward).
+    void hat_backward(index_t b, const T* dsb, const frozen_key_rows<T>& f, index_t ldhb, const T* qt, const T* uh,
+                      const T* dut, const T* rs, T* dqt, T* acc) const {
+        const index_t mem = k_len_ - q_len_, hq = H * q_len_, ldb = batch_ * D;
+        K::gemm_nn_direct(hq, D, mem, dsb, k_len_, f.zhat + b * f.ld_zhat, ldhb, dqt + b * D, ldb);  // dS·ẑ
+        for (index_t i = 0; i < 2 * D; ++i) acc[i] = T(0);
+        for (index_t r = 0; r < hq; ++r) {
+            const T* dr = dsb + r * k_len_;
+            T ds_sum = T(0);
+            for (index_t j = 0; j < mem; ++j) ds_sum += dr[j];
+            const T mass = rs[b * hq + r];
+            const index_t o = b * D + r * ldb;
+            const T *q = qt + o, *du = dut + o, *u = uh + o, *g = f.gamma, *be = f.beta;
+            T* p = dqt + o;
+#pragma omp simd
+            for (index_t i = 0; i < D; ++i) {
+                acc[i] += q[i] * p[i] + du[i] * u[i];
+                acc[D + i] += ds_sum * q[i] + mass * du[i];
+                p[i] = p[i] * g[i] + ds_sum * be[i];  // d q̃ = (dS·ẑ)∘γ + (Σ dS)⊗β
+            }
+        }
     }
 
     /// Batch element b's memory rows' d z, dzb [M, D] (row j is key row j·B + b): a frozen row that
@@ -679,6 +777,7 @@ private:
     memory_attention mode_ = memory_attention::automatic;
     bool keep_projections_ = false;
     bool absorbed_ = false;  // the last forward took the absorbed route (its kv_ holds the segment's rows only)
+    frozen_key_rows<T> hat_;  // the memory as ẑ∘γ + β in the last (absorbed) forward; zhat null: not used
     index_t clamp_len_ = 0;                  // 0: off
     const std::uint8_t* key_pad_ = nullptr;  // [K·B], nonzero = padding; null: none
     buffer<std::uint8_t> keep_;              // [B, K], 1 = visible
@@ -687,10 +786,10 @@ private:
     buffer<T> q_, qu_, kv_, attn_, ctx_;
     // Scratch: positional scores / their gradient [H, Q·B, W]; backward's gradients.
     buffer<T> pos_, d_ctx_, dqu_, dq_, dkv_, d_scores_, col_sums_, frozen_g_, frozen_c_;
-    // Absorbed memory: saved q̃, U [H·Q, B, D] and Σ_{j<M} a [B, H, Q]; backward's dU, d q̃, the memory
+    // Absorbed memory: saved q̃, U, Û (with hat_) [H·Q, B, D] and Σ_{j<M} a [B, H, Q]; backward's dU, d q̃, the memory
     // rows' d z (one [M, D] block per thread), the bias share of d a [B, H, Q], and the norm
     // gradients' partial sums [B, 2D].
-    buffer<T> qt_, ut_, row_mass_, dut_, dqt_, dz_mem_, d_bias_score_, norm_acc_;
+    buffer<T> qt_, ut_, ut_hat_, row_mass_, dut_, dqt_, dz_mem_, d_bias_score_, norm_acc_, thread_blocks_;
 };
 
 }  // namespace mnemo

@@ -87,6 +87,7 @@
 #endif
 
 #include "../../core/shape.hpp"
+#include "gemm_direct.hpp"
 #include "gemm_packed.hpp"
 
 namespace mnemo::cpu_kernels {
@@ -254,6 +255,27 @@ struct gemm {
             product<Eigen::ColMajor, Eigen::RowMajor>(m1 - m0, n1 - n0, k, a + m0, lda, b + n0, ldb,
                                                       c + m0 * ldc + n0, ldc, beta, alpha);
         });
+    }
+
+    /// One-thread products whose operands are better read in place than packed (gemm_direct.hpp:
+    /// float on AVX-512 builds; Eigen otherwise): C = beta·C + A·B (nn) or A·Bᵀ (nt), alpha 1. For a
+    /// caller that knows its shapes, such as the absorbed memory attention's per-batch-element
+    /// products over strided rows (there 1.3× (nn) and 1.7× (nt) Eigen's speed).
+    template <class T>
+    static void gemm_nn_direct(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
+                               index_t ldc, T beta = T(0)) {
+#ifdef __AVX512F__
+        if constexpr (std::is_same_v<T, float>) return gemm_direct::gemm_nn(m, n, k, a, lda, b, ldb, c, ldc, beta);
+#endif
+        gemm_nn_eigen(m, n, k, a, lda, b, ldb, c, ldc, beta, T(1));
+    }
+    template <class T>
+    static void gemm_nt_direct(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
+                               index_t ldc, T beta = T(0)) {
+#ifdef __AVX512F__
+        if constexpr (std::is_same_v<T, float>) return gemm_direct::gemm_nt(m, n, k, a, lda, b, ldb, c, ldc, beta);
+#endif
+        gemm_nt_eigen(m, n, k, a, lda, b, ldb, c, ldc, beta, T(1));
     }
 
     /// C[M,N] = beta·C + alpha·A[M,K]·B[K,N]

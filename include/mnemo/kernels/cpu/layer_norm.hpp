@@ -31,7 +31,8 @@ struct layer_norm {
 
     /// y[rows, d] = LN(x); mean[rows] and rstd[rows] are saved for backward (either may be null). w or
     /// b may be null (no affine scale / shift). With xhat, the normalised rows x̂ = (x − μ)·r are
-    /// written there too (bitwise what layer_norm_normalize would give), in the same pass.
+    /// written there too (bitwise what layer_norm_normalize would give), in the same pass; with y null,
+    /// only there.
     template <class T>
     static void layer_norm_forward(index_t rows, index_t d, const T* x, index_t ldx, const T* w, const T* b, T eps,
                                    T* y, index_t ldy, T* mean, T* rstd, T* xhat = nullptr, index_t ldxh = 0) {
@@ -40,7 +41,7 @@ struct layer_norm {
         parallel_range(rows, rows * d >= 65536, [&](index_t i_begin, index_t i_end) {
         for (index_t i = i_begin; i < i_end; ++i) {
             const T* xi = x + i * ldx;
-            T* yi = y + i * ldy;
+            T* yi = y ? y + i * ldy : nullptr;
             B acc = simd::splat<T>(0);
             index_t j = 0;
             for (; j < nv; j += simd::width<T>) acc += simd::load(xi + j);
@@ -60,6 +61,11 @@ struct layer_norm {
             if (rstd) rstd[i] = r;
             const B vr = simd::splat(r);
             T* hi = xhat ? xhat + i * ldxh : nullptr;
+            if (!yi) {  // x̂ only
+                for (j = 0; j < nv; j += simd::width<T>) simd::store(hi + j, (simd::load(xi + j) - vmu) * vr);
+                for (; j < d; ++j) hi[j] = (xi[j] - mu) * r;
+                continue;
+            }
             for (j = 0; j < nv; j += simd::width<T>) {
                 B v = (simd::load(xi + j) - vmu) * vr;
                 if (hi) simd::store(hi + j, v);
