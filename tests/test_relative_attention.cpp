@@ -237,3 +237,23 @@ TEST_CASE("relative_attention: more keys than relative positions is a clear erro
     mnemo::parameter_set<float> fresh;
     CHECK_THROWS_WITH_AS(attention(fresh, "x", 0), doctest::Contains("n_pos"), mnemo::error);
 }
+
+TEST_CASE("relative_attention: memory rows left unwritten need the absorbed route") {
+    const index_t Q = 2, mem = 3, B = 1;
+    mnemo::parameter_set<float> ps;
+    mnemo::relative_attention<float, cfg> attn(ps, "self_attn", 8);
+    ps.allocate();
+    std::vector<float> zkv((mem + Q) * B * D, 0.5f), zhat(mem * B * D, 0.25f), gamma(D, 1.0f), beta(D, 0.0f),
+        out(Q * B * D);
+    mnemo::frozen_key_rows<float> norm{mem * B, zhat.data(), D, gamma.data(), beta.data(), nullptr, nullptr, true};
+    auto run = [&] {
+        attn.forward(view<const float, D>(zkv.data() + mem * B * D, Q * B), view<const float, D>(zkv.data(), (mem + Q) * B),
+                     B, view<float, D>(out.data(), Q * B), {}, norm);
+    };
+    attn.set_memory_attention(mnemo::memory_attention::projected);
+    CHECK_FALSE(attn.would_absorb(Q, mem + Q));
+    CHECK_THROWS_WITH_AS(run(), doctest::Contains("left unwritten"), mnemo::error);
+    attn.set_memory_attention(mnemo::memory_attention::absorbed);
+    CHECK(attn.would_absorb(Q, mem + Q));
+    CHECK_NOTHROW(run());
+}
