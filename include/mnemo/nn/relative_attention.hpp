@@ -575,8 +575,7 @@ private:
         MNEMO_CHECK(hat || !hat_.z_unwritten, "relative_attention '", name_, "': backward's frozen rows differ from "
                     "the norm rows forward was given, whose z rows were left unwritten");
         const bool norm_rows = frozen.rows > 0 && frozen.zhat, open_rows = frozen.rows < lb && d_zkv;
-        const index_t slots = std::min<index_t>(index_t(omp_get_max_threads()), batch_);
-        T* dz_blocks = !hat && (norm_rows || open_rows) ? dz_mem_.ensure(slots * mem * D) : nullptr;
+        T* dz_blocks = !hat && (norm_rows || open_rows) ? dz_mem_.ensure(thread_slots() * mem * D) : nullptr;
         T* blocks = hat ? thread_blocks_.ensure(thread_slots() * hq * (D + 1)) : nullptr;
         const T* uh = ut_hat_.data();
         const index_t ldhb = batch_ * frozen.ld_zhat;
