@@ -32,11 +32,10 @@ struct gemm_direct {
 
     static __mmask16 mask(index_t n) { return gemm_packed::mask(std::max<index_t>(n, 0)); }
 
-    /// The tile: C[0:MR, 0:cols] (cols ≤ 32) = beta·C + Σ_p a[i·is + p·ps]·B[p, 0:cols] (A row-major:
-    /// is = lda, ps = 1; A transposed: is = 1, ps = lda).
+    /// The tile: C[0:MR, 0:cols] (cols ≤ 32) = beta·C + A[0:MR, 0:k]·B[0:k, 0:cols].
     template <int MR, bool Two>
-    [[gnu::noinline]] static void tile(index_t k, const float* a, index_t is, index_t ps, const float* b, index_t ldb,
-                                       float* c, index_t ldc, index_t cols, float beta) {
+    [[gnu::noinline]] static void tile(index_t k, const float* a, index_t lda, const float* b, index_t ldb, float* c,
+                                       index_t ldc, index_t cols, float beta) {
         __m512 acc[MR][2];
 #pragma GCC unroll 16
         for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
@@ -48,7 +47,7 @@ struct gemm_direct {
             if constexpr (Two) b1 = _mm512_maskz_loadu_ps(m1, bp + lanes);
 #pragma GCC unroll 16
             for (int i = 0; i < MR; ++i) {
-                const __m512 ai = _mm512_set1_ps(a[i * is + p * ps]);
+                const __m512 ai = _mm512_set1_ps(a[i * lda + p]);
                 acc[i][0] = _mm512_fmadd_ps(ai, b0, acc[i][0]);
                 if constexpr (Two) acc[i][1] = _mm512_fmadd_ps(ai, b1, acc[i][1]);
             }
@@ -67,11 +66,11 @@ struct gemm_direct {
     }
 
     template <bool Two>
-    static void tile_rows(index_t rows, index_t k, const float* a, index_t is, index_t ps, const float* b, index_t ldb,
-                          float* c, index_t ldc, index_t cols, float beta) {
+    static void tile_rows(index_t rows, index_t k, const float* a, index_t lda, const float* b, index_t ldb, float* c,
+                          index_t ldc, index_t cols, float beta) {
         switch (rows) {
 #define MNEMO_DIRECT_TILE(R) \
-    case R: return tile<R, Two>(k, a, is, ps, b, ldb, c, ldc, cols, beta);
+    case R: return tile<R, Two>(k, a, lda, b, ldb, c, ldc, cols, beta);
             MNEMO_DIRECT_TILE(1) MNEMO_DIRECT_TILE(2) MNEMO_DIRECT_TILE(3) MNEMO_DIRECT_TILE(4)
             MNEMO_DIRECT_TILE(5) MNEMO_DIRECT_TILE(6) MNEMO_DIRECT_TILE(7) MNEMO_DIRECT_TILE(8)
             MNEMO_DIRECT_TILE(9) MNEMO_DIRECT_TILE(10) MNEMO_DIRECT_TILE(11) MNEMO_DIRECT_TILE(12)
@@ -81,45 +80,17 @@ struct gemm_direct {
         }
     }
 
-    /// C = beta·C + op(A)·B over all tiles, op(A)[i, p] = a[i·is + p·ps].
-    static void run(index_t m, index_t n, index_t k, const float* a, index_t is, index_t ps, const float* b, index_t ldb,
-                    float* c, index_t ldc, float beta) {
+    /// C[M,N] = beta·C + A[M,K]·B[K,N] (row-major, row strides lda, ldb, ldc). beta = 0 never reads C.
+    static void gemm_nn(index_t m, index_t n, index_t k, const float* a, index_t lda, const float* b, index_t ldb,
+                        float* c, index_t ldc, float beta = 0.0f) {
         if (m <= 0 || n <= 0) return;
         const index_t tiles = (m + mr_max - 1) / mr_max, height = (m + tiles - 1) / tiles;
         for (index_t j = 0; j < n; j += nr) {
             const index_t cols = std::min(nr, n - j);
             for (index_t i = 0; i < m; i += height) {
                 const index_t rows = std::min(height, m - i);
-                if (cols > lanes) tile_rows<true>(rows, k, a + i * is, is, ps, b + j, ldb, c + i * ldc + j, ldc, cols, beta);
-                else tile_rows<false>(rows, k, a + i * is, is, ps, b + j, ldb, c + i * ldc + j, ldc, cols, beta);
-            }
-        }
-    }
-
-    /// C[M,N] = beta·C + A[M,K]·B[K,N] (row-major, row strides lda, ldb, ldc). beta = 0 never reads C.
-    static void gemm_nn(index_t m, index_t n, index_t k, const float* a, index_t lda, const float* b, index_t ldb,
-                        float* c, index_t ldc, float beta = 0.0f) {
-        run(m, n, k, a, lda, 1, b, ldb, c, ldc, beta);
-    }
-    /// In-register transpose of 16 rows of 16 floats: four rounds of swapping the off-diagonal blocks
-    /// of 8, 4, 2 and 1 (two-source permutes only: g++ 12 warns about the unpack and shuffle
-    /// intrinsics' internal _mm512_undefined_ps() wherever those are inlined into user code).
-    static void transpose16(__m512 r[16]) {
-#pragma GCC unroll 4
-        for (int bs = 8; bs >= 1; bs /= 2) {
-            alignas(64) int lo[16], hi[16];
-#pragma GCC unroll 16
-            for (int c = 0; c < 16; ++c) {
-                lo[c] = (c & bs) ? 16 + c - bs : c;
-                hi[c] = (c & bs) ? 16 + c : c + bs;
-            }
-            const __m512i vlo = _mm512_load_si512(lo), vhi = _mm512_load_si512(hi);
-#pragma GCC unroll 16
-            for (int i = 0; i < 16; ++i) {
-                if (i & bs) continue;
-                const __m512 a = r[i], b = r[i + bs];
-                r[i] = _mm512_permutex2var_ps(a, vlo, b);
-                r[i + bs] = _mm512_permutex2var_ps(a, vhi, b);
+                if (cols > lanes) tile_rows<true>(rows, k, a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc, cols, beta);
+                else tile_rows<false>(rows, k, a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc, cols, beta);
             }
         }
     }
@@ -140,7 +111,7 @@ struct gemm_direct {
                     __m512 x[16];
                     for (index_t i = 0; i < lanes; ++i)
                         x[i] = i0 + i < rows ? _mm512_maskz_loadu_ps(ld, a + (r0 + i0 + i) * lda + p0) : _mm512_setzero_ps();
-                    transpose16(x);
+                    gemm_packed::transpose16(x);
                     for (index_t p = 0; p < std::min(lanes, k - p0); ++p) _mm512_storeu_ps(at + (p0 + p) * nr + i0, x[p]);
                 }
             gemm_nn(n, rows, k, b, ldb, at, nr, ct, nr);  // Cᵀ [N, rows] = B·Aᵀ
@@ -151,7 +122,7 @@ struct gemm_direct {
                     __m512 x[16];
                     for (index_t j = 0; j < lanes; ++j)
                         x[j] = j0 + j < n ? _mm512_loadu_ps(ct + (j0 + j) * nr + i0) : _mm512_setzero_ps();
-                    transpose16(x);
+                    gemm_packed::transpose16(x);
                     const __mmask16 st = mask(n - j0);
                     for (index_t i = 0; i < std::min(lanes, rows - i0); ++i) {
                         float* ci = c + (r0 + i0 + i) * ldc + j0;

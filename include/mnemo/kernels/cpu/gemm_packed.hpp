@@ -75,28 +75,26 @@ struct gemm_packed {
 
     static void prefetch(const float* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
 
-    /// In-register transpose of 16 rows of 16 floats.
+    /// In-register transpose of 16 rows of 16 floats: four rounds of swapping the off-diagonal blocks
+    /// of 8, 4, 2 and 1 (two-source permutes only: g++ 12 warns about the unpack and shuffle
+    /// intrinsics' internal _mm512_undefined_ps() wherever those are inlined into user code).
     static void transpose16(__m512 r[16]) {
-        __m512 t[16], u[16];
-        for (int i = 0; i < 8; ++i) {
-            t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-            t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-        }
-        for (int g = 0; g < 4; ++g) {
-            const __m512d t0 = _mm512_castps_pd(t[4 * g]), t1 = _mm512_castps_pd(t[4 * g + 1]);
-            const __m512d t2 = _mm512_castps_pd(t[4 * g + 2]), t3 = _mm512_castps_pd(t[4 * g + 3]);
-            u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
-            u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
-            u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
-            u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
-        }
-        for (int j = 0; j < 4; ++j) {
-            const __m512 v = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x44), w = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x44);
-            const __m512 v2 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xee), w2 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xee);
-            r[j] = _mm512_shuffle_f32x4(v, w, 0x88);
-            r[4 + j] = _mm512_shuffle_f32x4(v, w, 0xdd);
-            r[8 + j] = _mm512_shuffle_f32x4(v2, w2, 0x88);
-            r[12 + j] = _mm512_shuffle_f32x4(v2, w2, 0xdd);
+#pragma GCC unroll 4
+        for (int bs = 8; bs >= 1; bs /= 2) {
+            alignas(64) int lo[16], hi[16];
+#pragma GCC unroll 16
+            for (int c = 0; c < 16; ++c) {
+                lo[c] = (c & bs) ? 16 + c - bs : c;
+                hi[c] = (c & bs) ? 16 + c : c + bs;
+            }
+            const __m512i vlo = _mm512_load_si512(lo), vhi = _mm512_load_si512(hi);
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; ++i) {
+                if (i & bs) continue;
+                const __m512 a = r[i], b = r[i + bs];
+                r[i] = _mm512_permutex2var_ps(a, vlo, b);
+                r[i + bs] = _mm512_permutex2var_ps(a, vhi, b);
+            }
         }
     }
 
