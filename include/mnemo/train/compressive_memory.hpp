@@ -15,7 +15,12 @@
 // attention-reconstruction loss of that step.
 //
 // Layout per layer: sequence-major rows (slot·batch + b) × d_model, oldest slot first. Storage is
-// reserved up front, so merging allocates nothing in steady state.
+// reserved up front, so merging allocates nothing in steady state. Each of a layer's memory and
+// compressed memory is a window sliding over a buffer with as much slack again: dropping the oldest
+// slots only moves the window's start, and the live rows are moved back to the buffer's front only
+// when an append would run past its end (once every slack/appended merges; A's merge used to move
+// the whole compressed memory, 2 MB per layer, on every segment). The slots compressed away are read
+// in place, from just before the memory's window, until the next merge.
 //
 // Padding: the memory also keeps one pad flag per slot and batch element ([slots·batch], slot·batch + b,
 // nonzero = padding), shared by every layer (a position is padding in all layers or in none), shifted
@@ -67,12 +72,8 @@ public:
         const index_t m = mem_len_ + max_segment + rate_;
         const index_t cm = c_mem_len_ + (max_segment + mem_len_) / rate_ + 1;
         for (auto& l : layers_) {
-            l.mem.reserve(std::size_t(m * batch * index_t(D)));
-            l.c_mem.reserve(std::size_t(cm * batch * index_t(D)));
-            l.away.reserve(std::size_t(m * batch * index_t(D)));
-            l.mem.clear();
-            l.c_mem.clear();
-            l.away.clear();
+            l.mem.reset(2 * m * batch * index_t(D));
+            l.c_mem.reset(c_mem_len_ > 0 ? 2 * cm * batch * index_t(D) : 0);
         }
         for (auto* p : {&pad_, &away_pad_}) {
             p->reserve(std::size_t(m * batch));
@@ -116,8 +117,12 @@ public:
     std::uint8_t* mem_pad_data() { return pad_.data(); }
     std::uint8_t* c_mem_pad_data() { return c_pad_.data(); }
 
-    view<const T, D, Backend> mem(index_t l) const { return rows(layers_[std::size_t(l)].mem, mem_slots_); }
-    view<const T, D, Backend> c_mem(index_t l) const { return rows(layers_[std::size_t(l)].c_mem, c_mem_slots_); }
+    view<const T, D, Backend> mem(index_t l) const { return rows(layers_[std::size_t(l)].mem.data(), mem_slots_); }
+    view<const T, D, Backend> c_mem(index_t l) const {
+        return rows(layers_[std::size_t(l)].c_mem.data(), c_mem_slots_);
+    }
+    /// The slots the last merge compressed away [compressed_away_slots·batch, D]; valid until the next
+    /// merge, reset or resize.
     view<const T, D, Backend> compressed_away(index_t l) const {
         return rows(layers_[std::size_t(l)].away, away_slots_);
     }
@@ -135,8 +140,9 @@ public:
         away_slots_ = 0;
         new_epoch();
         for (auto& l : layers_) {
-            l.mem.resize(std::size_t(mem_slots * batch_ * index_t(D)));
-            l.c_mem.resize(std::size_t(c_mem_slots * batch_ * index_t(D)));
+            l.mem.assign_size(mem_slots * batch_ * index_t(D));
+            l.c_mem.assign_size(c_mem_slots * batch_ * index_t(D));
+            l.away = nullptr;
         }
         pad_.assign(std::size_t(mem_slots * batch_), 0);
         c_pad_.assign(std::size_t(c_mem_slots * batch_), 0);
@@ -164,17 +170,16 @@ public:
             auto& s = layers_[std::size_t(l)];
             const auto x = new_inputs(l);
             MNEMO_CHECK(x.rows() == q_rows, "memory: layer ", l, " has ", x.rows(), " new rows, layer 0 has ", q_rows);
-            s.mem.resize(std::size_t(len * row));
-            for (index_t r = 0; r < q_rows; ++r)
-                std::memcpy(s.mem.data() + (mem_slots_ * batch_ + r) * index_t(D), x.row(r), sizeof(T) * D);
+            T* fresh = s.mem.grow(q_rows * index_t(D));
+            for (index_t r = 0; r < q_rows; ++r) std::memcpy(fresh + r * index_t(D), x.row(r), sizeof(T) * D);
+            s.away = nullptr;
             if (n_old > 0) {
-                s.away.assign(s.mem.begin(), s.mem.begin() + n_old * row);
-                s.c_mem.resize(std::size_t(c_len * row));
-                compress(l, view<const T, D, Backend>(s.away.data(), n_old * batch_),
-                         view<T, D, Backend>(s.c_mem.data() + c_mem_slots_ * row, n_new_c * batch_));
-                drop_front(s.c_mem, c_drop * row);
+                s.away = s.mem.data();  // stays in place: drop_front moves only the window's start
+                T* out = s.c_mem.grow(n_new_c * row);
+                compress(l, view<const T, D, Backend>(s.away, n_old * batch_), view<T, D, Backend>(out, n_new_c * batch_));
+                s.c_mem.drop_front(c_drop * row);
             }
-            drop_front(s.mem, (n_old + n_drop) * row);
+            s.mem.drop_front((n_old + n_drop) * row);
         }
         // Pad flags, shifted as the memory.
         pad_.resize(std::size_t(len * batch_));
@@ -204,24 +209,57 @@ public:
     }
 
 private:
-    struct layer_state {
-        aligned_vector<T> mem, c_mem, away;  // [slots·batch, D]
+    // A window [off, off + size) sliding over a buffer; elements, not rows.
+    class window {
+    public:
+        // Empties the window over a buffer of `capacity` elements (allocates only if it grows).
+        void reset(index_t capacity) {
+            if (index_t(buf_.size()) < capacity) buf_.resize(std::size_t(capacity));
+            off_ = size_ = 0;
+        }
+        // `n` elements at the buffer's front, contents to be written by the caller.
+        void assign_size(index_t n) {
+            if (index_t(buf_.size()) < n) buf_.resize(std::size_t(n));
+            off_ = 0;
+            size_ = n;
+        }
+        T* data() { return buf_.data() + off_; }
+        const T* data() const { return buf_.data() + off_; }
+        // Extends the window by n elements at its end and returns them. When they do not fit after
+        // the window, the window is first moved to the buffer's front (and the buffer grown if that
+        // is still too short, which a merge within reset()'s reserve never needs).
+        T* grow(index_t n) {
+            if (off_ + size_ + n > index_t(buf_.size())) {
+                if (off_ > 0 && size_ > 0) std::memmove(buf_.data(), buf_.data() + off_, sizeof(T) * std::size_t(size_));
+                off_ = 0;
+                if (size_ + n > index_t(buf_.size())) buf_.resize(std::size_t(2 * (size_ + n)));
+            }
+            T* p = buf_.data() + off_ + size_;
+            size_ += n;
+            return p;
+        }
+        void drop_front(index_t n) {
+            if (n <= 0) return;
+            off_ += n;
+            size_ -= n;
+        }
+
+    private:
+        aligned_vector<T> buf_;
+        index_t off_ = 0, size_ = 0;
     };
 
-    view<const T, D, Backend> rows(const aligned_vector<T>& v, index_t slots) const {
-        return view<const T, D, Backend>(v.data(), slots * batch_);
-    }
+    struct layer_state {
+        window mem, c_mem;         // [slots·batch, D]
+        const T* away = nullptr;   // the slots the last merge compressed away, in mem's buffer
+    };
+
+    view<const T, D, Backend> rows(const T* p, index_t slots) const { return view<const T, D, Backend>(p, slots * batch_); }
     void new_epoch() {
         static std::atomic<std::uint64_t> counter{0};
         epoch_ = ++counter;
         mem_first_id_ = c_mem_first_id_ = 0;
     }
-    static void drop_front(aligned_vector<T>& v, index_t n) {
-        if (n <= 0) return;
-        std::memmove(v.data(), v.data() + n, sizeof(T) * (v.size() - std::size_t(n)));
-        v.resize(v.size() - std::size_t(n));
-    }
-
     index_t n_layers_, mem_len_, c_mem_len_, rate_;
     index_t batch_ = 0, mem_slots_ = 0, c_mem_slots_ = 0, away_slots_ = 0;
     std::uint64_t epoch_ = 0;  // 0: never reset
