@@ -245,7 +245,7 @@ public:
         auto head = [&](index_t b, index_t h) {
             T* a = attn + (b * H + h) * q_len_ * k_len_;  // [Q, K]
             const index_t off = b * D + h * Dk, kv_off = c0 * ldkv + b * 2 * D + h * Dk;
-            K::gemm_nt(q_len_, k_len_ - c0, Dk, qu.data() + off, ld, kv + kv_off, ldkv, a + c0, k_len_);
+            K::template head_gemm_nt<Dk>(q_len_, k_len_ - c0, qu.data() + off, ld, kv + kv_off, ldkv, a + c0, k_len_);
             const T* ph = pos + h * qb * w;
             for (index_t i = 0; i < q_len_; ++i) {
                 const T* pi = ph + (i * batch_ + b) * w + q_len_ - i;  // column Q + j − i at j = 0
@@ -264,7 +264,7 @@ public:
                 mask.ld_keep = 0;  // the same key mask for every query row
             }
             K::softmax_forward(q_len_, k_len_, a, k_len_, a, k_len_, T(1), mask);
-            K::gemm_nn(q_len_, Dk, k_len_ - c0, a + c0, k_len_, kv + kv_off + D, ldkv, ctx.data() + off, ld);
+            K::template head_gemm_nn<Dk>(q_len_, k_len_ - c0, a + c0, k_len_, kv + kv_off + D, ldkv, ctx.data() + off, ld);
         };
         if (!absorb) {
             parallel_range(batch_ * H, worth_threads(), [&](index_t bh_begin, index_t bh_end) {
@@ -312,11 +312,11 @@ public:
             T* ds = d_scores + (b * H + h) * q_len_ * k_len_;
             const index_t off = b * D + h * Dk, k_off = c0 * ldkv + b * 2 * D + h * Dk, v_off = k_off + D;
             const index_t kc = k_len_ - c0;
-            K::gemm_nt(q_len_, kc, Dk, d_ctx.data() + off, ld, kv + v_off, ldkv, ds + c0, k_len_);      // dA
-            K::gemm_tn(kc, Dk, q_len_, a + c0, k_len_, d_ctx.data() + off, ld, dkv + v_off, ldkv);      // dv
+            K::template head_gemm_nt<Dk>(q_len_, kc, d_ctx.data() + off, ld, kv + v_off, ldkv, ds + c0, k_len_);  // dA
+            K::template head_gemm_tn<Dk>(q_len_, kc, a + c0, k_len_, d_ctx.data() + off, ld, dkv + v_off, ldkv);  // dv
             K::softmax_backward(q_len_, k_len_, a, k_len_, ds, k_len_, ds, k_len_, scale);  // d raw score
-            K::gemm_nn(q_len_, Dk, kc, ds + c0, k_len_, kv + k_off, ldkv, dqu.data() + off, ld);        // d(q+u)
-            K::gemm_tn(kc, Dk, q_len_, ds + c0, k_len_, qu.data() + off, ld, dkv + k_off, ldkv);        // dk
+            K::template head_gemm_nn<Dk>(q_len_, kc, ds + c0, k_len_, kv + k_off, ldkv, dqu.data() + off, ld);  // d(q+u)
+            K::template head_gemm_tn<Dk>(q_len_, kc, ds + c0, k_len_, qu.data() + off, ld, dkv + k_off, ldkv);  // dk
             // The positional scores' gradient lands on window column Q + j − i of row (i, b).
             T* ph = d_pos + h * qb * w;
             for (index_t i = 0; i < q_len_; ++i) {

@@ -167,10 +167,10 @@ public:
                 const index_t b = bh / H, hh = bh % H;
                 const index_t off = b * D + hh * Dk, a_off = (b * H + hh) * q_len * c_len;
                 T* dab = da + a_off;
-                K::gemm_nt(q_len, c_len, Dk, diff + off, ld, vc.data() + off, ld, dab, c_len);      // dA
-                K::gemm_tn(c_len, Dk, q_len, a_c + a_off, c_len, diff + off, ld, dvc.data() + off, ld);  // dv
+                K::template head_gemm_nt<Dk>(q_len, c_len, diff + off, ld, vc.data() + off, ld, dab, c_len);      // dA
+                K::template head_gemm_tn<Dk>(q_len, c_len, a_c + a_off, c_len, diff + off, ld, dvc.data() + off, ld);  // dv
                 K::softmax_backward(q_len, c_len, a_c + a_off, c_len, dab, c_len, dab, c_len, scale);
-                K::gemm_tn(c_len, Dk, q_len, dab, c_len, q.data() + off, ld, dkc.data() + off, ld);  // dk
+                K::template head_gemm_tn<Dk>(q_len, c_len, dab, c_len, q.data() + off, ld, dkc.data() + off, ld);  // dk
             }
         });
         attn.key().backward_input(dkc, dcn);
@@ -194,14 +194,14 @@ private:
                 const index_t b = bh / H, hh = bh % H;
                 const index_t off = b * D + hh * Dk;
                 T* ab = a + (b * H + hh) * q_len * n;
-                K::gemm_nt(q_len, n, Dk, q.data() + off, ld, k.data() + off, ld, ab, n);
+                K::template head_gemm_nt<Dk>(q_len, n, q.data() + off, ld, k.data() + off, ld, ab, n);
                 softmax_mask mask{};
                 if (keep && any[b]) {
                     mask.keep = keep + b * n;
                     mask.ld_keep = 0;
                 }
                 K::softmax_forward(q_len, n, ab, n, ab, n, scale, mask);
-                K::gemm_nn(q_len, Dk, n, ab, n, v.data() + off, ld, out.data() + off, ld);
+                K::template head_gemm_nn<Dk>(q_len, n, ab, n, v.data() + off, ld, out.data() + off, ld);
             }
         });
     }

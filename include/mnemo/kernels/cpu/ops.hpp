@@ -7,6 +7,7 @@
 #include "dropout.hpp"
 #include "elementwise.hpp"
 #include "gemm.hpp"
+#include "head_products.hpp"
 #include "layer_norm.hpp"
 #include "softmax.hpp"
 
@@ -14,6 +15,7 @@ namespace mnemo {
 
 template <>
 struct ops<cpu> : cpu_kernels::gemm,
+                  cpu_kernels::head_products,
                   cpu_kernels::softmax,
                   cpu_kernels::layer_norm,
                   cpu_kernels::activation,

@@ -1,0 +1,185 @@
+#pragma once
+// The products of one attention head whose shared or output side is the head width d_k, known at
+// compile time, for the small shapes of short segments: A's attention over its 8 segment keys is an
+// 8×8×32 product per (batch element, head), thousands of them per step, where a general GEMM's call,
+// blocking and packing cost several times the 2K multiply-adds. Here the rows of d_k floats stay in
+// registers (d_k / SIMD width vectors each) and nothing is packed.
+//
+//   head_nt: S[M,N]  = X[M,Dk]·Y[N,Dk]ᵀ            (scores q·kᵀ; d attention weights dO·vᵀ)
+//   head_nn: O[M,Dk] (=, +=) A[M,N]·Y[N,Dk]          (context a·v; d(q+u) = dS·k)
+//   head_tn: O[N,Dk] (=, +=) A[M,N]ᵀ·X[M,Dk]         (dv = aᵀ·dO; dk = dSᵀ·q)
+//
+// Every pointer is a row-major block with its own row stride (a head's columns inside [rows, D]
+// buffers). The kernels need d_k to be a whole number of SIMD vectors (`fits`). What callers use are
+// the dispatchers head_gemm_nt / _nn / _tn, which take these kernels where they were measured to win
+// and the general GEMMs (gemm.hpp) elsewhere. One thread, 8 to 64 rows, strides of A's buffers
+// (16 KiB), against the general path: nn and tn 2-4× faster up to 64×64; nt (one horizontal sum per
+// score) 2-3× at up to 8 keys, even at 16, and slower beyond, so it is taken up to 16 keys only.
+#include "../../core/shape.hpp"
+#include "gemm.hpp"
+#include "simd.hpp"
+
+namespace mnemo::cpu_kernels {
+
+struct head_products {
+    /// The most rows an operand that is read more than once may have (it is copied to the stack).
+    static constexpr index_t max_reread_rows = 64;
+
+    template <class T, index_t Dk>
+    static constexpr bool fits = Dk % simd::width<T> == 0 && Dk / simd::width<T> <= 8;
+
+    /// S[M,N] = X[M,Dk]·Y[N,Dk]ᵀ
+    template <index_t Dk, class T>
+    static void head_gemm_nt(index_t m, index_t n, const T* x, index_t ldx, const T* y, index_t ldy, T* s, index_t lds) {
+        if constexpr (fits<T, Dk>)
+            if (m <= max_reread_rows && n <= 16) return head_nt<Dk>(m, n, x, ldx, y, ldy, s, lds);
+        gemm::gemm_nt(m, n, Dk, x, ldx, y, ldy, s, lds);
+    }
+    /// O[M,Dk] = beta·O + A[M,N]·Y[N,Dk], beta 0 or 1
+    template <index_t Dk, class T>
+    static void head_gemm_nn(index_t m, index_t n, const T* a, index_t lda, const T* y, index_t ldy, T* o, index_t ldo,
+                             T beta = T(0)) {
+        if constexpr (fits<T, Dk>)
+            if (m <= max_reread_rows && n <= max_reread_rows && (beta == T(0) || beta == T(1)))
+                return head_nn<Dk>(m, n, a, lda, y, ldy, o, ldo, beta != T(0));
+        gemm::gemm_nn(m, Dk, n, a, lda, y, ldy, o, ldo, beta);
+    }
+    /// O[N,Dk] = beta·O + A[M,N]ᵀ·X[M,Dk], beta 0 or 1
+    template <index_t Dk, class T>
+    static void head_gemm_tn(index_t m, index_t n, const T* a, index_t lda, const T* x, index_t ldx, T* o, index_t ldo,
+                             T beta = T(0)) {
+        if constexpr (fits<T, Dk>)
+            if (m <= max_reread_rows && n <= max_reread_rows && (beta == T(0) || beta == T(1)))
+                return head_tn<Dk>(m, n, a, lda, x, ldx, o, ldo, beta != T(0));
+        gemm::gemm_tn(n, Dk, m, a, lda, x, ldx, o, ldo, beta);
+    }
+
+    /// S[i, j] = Σ_d X[i, d]·Y[j, d]
+    template <index_t Dk, class T>
+    static void head_nt(index_t m, index_t n, const T* x, index_t ldx, const T* y_in, index_t ldy_in, T* s, index_t lds) {
+        using B = simd::batch<T>;
+        constexpr index_t V = Dk / simd::width<T>, W = simd::width<T>;
+        alignas(64) T pack[max_reread_rows * Dk];
+        const T* y = packed<Dk>(n, y_in, ldy_in, pack);
+        constexpr index_t ldy = Dk;
+        for (index_t i = 0; i < m; ++i) {
+            B xi[V];
+            for (index_t v = 0; v < V; ++v) xi[v] = simd::load(x + i * ldx + v * W);
+            T* si = s + i * lds;
+            index_t j = 0;
+            for (; j + 4 <= n; j += 4) {
+                B a0 = xi[0] * simd::load(y + (j + 0) * ldy), a1 = xi[0] * simd::load(y + (j + 1) * ldy);
+                B a2 = xi[0] * simd::load(y + (j + 2) * ldy), a3 = xi[0] * simd::load(y + (j + 3) * ldy);
+                for (index_t v = 1; v < V; ++v) {
+                    a0 = xsimd::fma(xi[v], simd::load(y + (j + 0) * ldy + v * W), a0);
+                    a1 = xsimd::fma(xi[v], simd::load(y + (j + 1) * ldy + v * W), a1);
+                    a2 = xsimd::fma(xi[v], simd::load(y + (j + 2) * ldy + v * W), a2);
+                    a3 = xsimd::fma(xi[v], simd::load(y + (j + 3) * ldy + v * W), a3);
+                }
+                si[j] = simd::reduce_add(a0);
+                si[j + 1] = simd::reduce_add(a1);
+                si[j + 2] = simd::reduce_add(a2);
+                si[j + 3] = simd::reduce_add(a3);
+            }
+            for (; j < n; ++j) {
+                B a = xi[0] * simd::load(y + j * ldy);
+                for (index_t v = 1; v < V; ++v) a = xsimd::fma(xi[v], simd::load(y + j * ldy + v * W), a);
+                si[j] = simd::reduce_add(a);
+            }
+        }
+    }
+
+    /// O[i, :] (= or +=) Σ_j A[i, j]·Y[j, :]
+    template <index_t Dk, class T>
+    static void head_nn(index_t m, index_t n, const T* a, index_t lda, const T* y_in, index_t ldy_in, T* o, index_t ldo,
+                        bool accumulate = false) {
+        using B = simd::batch<T>;
+        constexpr index_t V = Dk / simd::width<T>, W = simd::width<T>;
+        alignas(64) T pack[max_reread_rows * Dk];
+        const T* y = m > 2 ? packed<Dk>(n, y_in, ldy_in, pack) : y_in;
+        const index_t ldy = m > 2 ? Dk : ldy_in;
+        index_t i = 0;
+        for (; i + 2 <= m; i += 2) {  // two rows share each load of Y
+            B c0[V], c1[V];
+            for (index_t v = 0; v < V; ++v) {
+                c0[v] = accumulate ? simd::load(o + i * ldo + v * W) : simd::splat<T>(0);
+                c1[v] = accumulate ? simd::load(o + (i + 1) * ldo + v * W) : simd::splat<T>(0);
+            }
+            const T *a0 = a + i * lda, *a1 = a0 + lda;
+            for (index_t j = 0; j < n; ++j) {
+                const B s0 = simd::splat(a0[j]), s1 = simd::splat(a1[j]);
+                for (index_t v = 0; v < V; ++v) {
+                    const B yj = simd::load(y + j * ldy + v * W);
+                    c0[v] = xsimd::fma(s0, yj, c0[v]);
+                    c1[v] = xsimd::fma(s1, yj, c1[v]);
+                }
+            }
+            for (index_t v = 0; v < V; ++v) {
+                simd::store(o + i * ldo + v * W, c0[v]);
+                simd::store(o + (i + 1) * ldo + v * W, c1[v]);
+            }
+        }
+        for (; i < m; ++i) {
+            B c0[V];
+            for (index_t v = 0; v < V; ++v) c0[v] = accumulate ? simd::load(o + i * ldo + v * W) : simd::splat<T>(0);
+            for (index_t j = 0; j < n; ++j) {
+                const B s0 = simd::splat(a[i * lda + j]);
+                for (index_t v = 0; v < V; ++v) c0[v] = xsimd::fma(s0, simd::load(y + j * ldy + v * W), c0[v]);
+            }
+            for (index_t v = 0; v < V; ++v) simd::store(o + i * ldo + v * W, c0[v]);
+        }
+    }
+
+    /// O[j, :] (= or +=) Σ_i A[i, j]·X[i, :]
+    template <index_t Dk, class T>
+    static void head_tn(index_t m, index_t n, const T* a, index_t lda, const T* x_in, index_t ldx_in, T* o, index_t ldo,
+                        bool accumulate = false) {
+        using B = simd::batch<T>;
+        constexpr index_t V = Dk / simd::width<T>, W = simd::width<T>;
+        alignas(64) T pack[max_reread_rows * Dk];
+        const T* x = n > 2 ? packed<Dk>(m, x_in, ldx_in, pack) : x_in;
+        const index_t ldx = n > 2 ? Dk : ldx_in;
+        index_t j = 0;
+        for (; j + 2 <= n; j += 2) {  // two output rows share each load of X
+            B c0[V], c1[V];
+            for (index_t v = 0; v < V; ++v) {
+                c0[v] = accumulate ? simd::load(o + j * ldo + v * W) : simd::splat<T>(0);
+                c1[v] = accumulate ? simd::load(o + (j + 1) * ldo + v * W) : simd::splat<T>(0);
+            }
+            for (index_t i = 0; i < m; ++i) {
+                const B s0 = simd::splat(a[i * lda + j]), s1 = simd::splat(a[i * lda + j + 1]);
+                for (index_t v = 0; v < V; ++v) {
+                    const B xi = simd::load(x + i * ldx + v * W);
+                    c0[v] = xsimd::fma(s0, xi, c0[v]);
+                    c1[v] = xsimd::fma(s1, xi, c1[v]);
+                }
+            }
+            for (index_t v = 0; v < V; ++v) {
+                simd::store(o + j * ldo + v * W, c0[v]);
+                simd::store(o + (j + 1) * ldo + v * W, c1[v]);
+            }
+        }
+        for (; j < n; ++j) {
+            B c0[V];
+            for (index_t v = 0; v < V; ++v) c0[v] = accumulate ? simd::load(o + j * ldo + v * W) : simd::splat<T>(0);
+            for (index_t i = 0; i < m; ++i) {
+                const B s0 = simd::splat(a[i * lda + j]);
+                for (index_t v = 0; v < V; ++v) c0[v] = xsimd::fma(s0, simd::load(x + i * ldx + v * W), c0[v]);
+            }
+            for (index_t v = 0; v < V; ++v) simd::store(o + j * ldo + v * W, c0[v]);
+        }
+    }
+
+private:
+    // The rows of an operand read more than once, copied to contiguous stack memory: a head's rows
+    // lie batch·D floats apart (A: 16 or 32 KiB), so more than a few of them share one L1 set.
+    template <index_t Dk, class T>
+    static const T* packed(index_t rows, const T* p, index_t ld, T* pack) {
+        constexpr index_t V = Dk / simd::width<T>, W = simd::width<T>;
+        for (index_t r = 0; r < rows; ++r)
+            for (index_t v = 0; v < V; ++v) simd::store(pack + r * Dk + v * W, simd::load(p + r * ld + v * W));
+        return pack;
+    }
+};
+
+}  // namespace mnemo::cpu_kernels

@@ -1,0 +1,96 @@
+// The per-head kernels (kernels/cpu/head_products.hpp) against a double-precision reference, through
+// the dispatchers the attention calls (head_gemm_nt / _nn / _tn): shapes on both sides of every
+// dispatch limit (16 keys for nt, 64 rows for nn and tn), odd row counts (the 2- and 4-row blocks'
+// remainders), d_k of one, two, four and eight SIMD vectors and one that is not a whole number of
+// them (the general GEMM then), strided operands with padding that must stay untouched, beta 0 over
+// NaN and beta 1, float and double.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include <mnemo/kernels/cpu/ops.hpp>
+
+#include "testing.hpp"
+
+using mnemo::index_t;
+using K = mnemo::ops<mnemo::cpu>;
+
+namespace {
+
+enum class form { nt, nn, tn };
+
+// nt: S[m,n] = X[m,Dk]·Y[n,Dk]ᵀ; nn: O[m,Dk] = A[m,n]·Y[n,Dk]; tn: O[n,Dk] = A[m,n]ᵀ·X[m,Dk].
+template <class T, index_t Dk>
+void check(form f, index_t m, index_t n, T beta, std::uint64_t seed) {
+    const index_t pad = 5;
+    const index_t a_rows = f == form::nt ? m : m, a_cols = f == form::nt ? Dk : n;  // left operand
+    const index_t b_rows = f == form::nt ? n : (f == form::nn ? n : m), b_cols = Dk;  // right operand
+    const index_t c_rows = f == form::nt ? m : (f == form::nn ? m : n), c_cols = f == form::nt ? n : Dk;
+    const index_t lda = a_cols + pad, ldb = b_cols + 2 * pad, ldc = c_cols + pad;
+    const auto a = mnemo::testing::random_vector<T>(a_rows * lda, seed);
+    const auto b = mnemo::testing::random_vector<T>(b_rows * ldb, seed + 1);
+    auto c = mnemo::testing::random_vector<T>(c_rows * ldc, seed + 2);
+    const T sentinel = T(12345);
+    for (index_t i = 0; i < c_rows; ++i) {
+        for (index_t j = c_cols; j < ldc; ++j) c[i * ldc + j] = sentinel;
+        if (beta == T(0))
+            for (index_t j = 0; j < c_cols; ++j) c[i * ldc + j] = std::numeric_limits<T>::quiet_NaN();
+    }
+    const auto c0 = c;
+    if (f == form::nt) {
+        REQUIRE(beta == T(0));
+        K::head_gemm_nt<Dk>(m, n, a.data(), lda, b.data(), ldb, c.data(), ldc);
+    } else if (f == form::nn) {
+        K::head_gemm_nn<Dk>(m, n, a.data(), lda, b.data(), ldb, c.data(), ldc, beta);
+    } else {
+        K::head_gemm_tn<Dk>(m, n, a.data(), lda, b.data(), ldb, c.data(), ldc, beta);
+    }
+    double worst = 0;
+    bool padding_kept = true;
+    for (index_t i = 0; i < c_rows; ++i) {
+        for (index_t j = 0; j < c_cols; ++j) {
+            double ref = beta == T(0) ? 0.0 : double(beta) * double(c0[i * ldc + j]), scale = std::fabs(ref);
+            const index_t depth = f == form::nt ? Dk : (f == form::nn ? n : m);
+            for (index_t p = 0; p < depth; ++p) {
+                double x = 0;
+                if (f == form::nt) x = double(a[i * lda + p]) * double(b[j * ldb + p]);
+                else if (f == form::nn) x = double(a[i * lda + p]) * double(b[p * ldb + j]);
+                else x = double(a[p * lda + i]) * double(b[p * ldb + j]);
+                ref += x;
+                scale += std::fabs(x);
+            }
+            const double err = std::fabs(double(c[i * ldc + j]) - ref) / (scale + 1e-30);
+            worst = std::isnan(err) ? 1e30 : std::max(worst, err);
+        }
+        for (index_t j = c_cols; j < ldc; ++j) padding_kept = padding_kept && c[i * ldc + j] == sentinel;
+    }
+    INFO("form " << int(f) << " d_k " << Dk << " m " << m << " n " << n << " beta " << double(beta));
+    CHECK(worst < (sizeof(T) == 4 ? 1e-6 : 1e-14));
+    CHECK(padding_kept);
+}
+
+template <class T, index_t Dk>
+void sweep(std::uint64_t& seed) {
+    for (index_t m : {1, 2, 3, 7, 8, 16, 33, 64, 65, 130})
+        for (index_t n : {1, 3, 4, 5, 8, 15, 16, 17, 63, 64, 65}) {
+            check<T, Dk>(form::nt, m, n, T(0), seed++);
+            for (T beta : {T(0), T(1)}) {
+                check<T, Dk>(form::nn, m, n, beta, seed++);
+                check<T, Dk>(form::tn, m, n, beta, seed++);
+            }
+        }
+}
+
+}  // namespace
+
+TEST_CASE("head products: nt, nn and tn against a double reference across the dispatch limits") {
+    std::uint64_t seed = 1;
+    sweep<float, 16>(seed);
+    sweep<float, 32>(seed);
+    sweep<float, 64>(seed);
+    sweep<float, 128>(seed);
+    sweep<float, 24>(seed);  // not a whole number of AVX-512 vectors: the general GEMM
+    sweep<double, 32>(seed);
+}
