@@ -73,7 +73,7 @@ void check(form f, index_t m, index_t n, T beta, std::uint64_t seed) {
 
 template <class T, index_t Dk>
 void sweep(std::uint64_t& seed) {
-    for (index_t m : {1, 2, 3, 7, 8, 16, 33, 64, 65, 130})
+    for (index_t m : {1, 2, 3, 7, 8, 16, 33, 64, 65, 130, 256})
         for (index_t n : {1, 3, 4, 5, 8, 15, 16, 17, 63, 64, 65}) {
             check<T, Dk>(form::nt, m, n, T(0), seed++);
             for (T beta : {T(0), T(1)}) {

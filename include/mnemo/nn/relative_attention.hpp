@@ -349,7 +349,7 @@ public:
         for_each_head(qb * w * Dk, [&](index_t h) {
             const T* ph = d_pos + h * qb * w;
             T* col = cols + h * w;
-            K::gemm_nn(qb, Dk, w, ph, w, r_win + h * Dk, D, dq.data() + h * Dk, D);
+            K::template head_gemm_nn<Dk>(qb, w, ph, w, r_win + h * Dk, D, dq.data() + h * Dk, D);
             K::gemm_tn(w, Dk, qb, ph, w, q.data() + h * Dk, D, dr_win + h * Dk, D, T(1));
             for (index_t c = 0; c < w; ++c) col[c] = T(0);
             K::sum_rows_accumulate(qb, w, ph, w, col);

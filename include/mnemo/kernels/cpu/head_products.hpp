@@ -12,9 +12,12 @@
 // Every pointer is a row-major block with its own row stride (a head's columns inside [rows, D]
 // buffers). The kernels need d_k to be a whole number of SIMD vectors (`fits`). What callers use are
 // the dispatchers head_gemm_nt / _nn / _tn, which take these kernels where they were measured to win
-// and the general GEMMs (gemm.hpp) elsewhere. One thread, 8 to 64 rows, strides of A's buffers
-// (16 KiB), against the general path: nn and tn 2-4× faster up to 64×64; nt (one horizontal sum per
-// score) 2-3× at up to 8 keys, even at 16, and slower beyond, so it is taken up to 16 keys only.
+// and the general GEMMs (gemm.hpp) elsewhere. Measured on one thread with the strides of A's
+// buffers (16 KiB) against the general path: nn 2-4× faster up to 64 keys at any number of rows
+// (256 too); tn 2-4× up to 64×64 (even beyond: taken up to 64 rows); nt, one horizontal sum per
+// score, 2-3× at up to 8 keys, even at 16 keys over 16 rows, slower beyond.
+#include <algorithm>
+
 #include "../../core/shape.hpp"
 #include "gemm.hpp"
 #include "simd.hpp"
@@ -32,7 +35,7 @@ struct head_products {
     template <index_t Dk, class T>
     static void head_gemm_nt(index_t m, index_t n, const T* x, index_t ldx, const T* y, index_t ldy, T* s, index_t lds) {
         if constexpr (fits<T, Dk>)
-            if (m <= max_reread_rows && n <= 16) return head_nt<Dk>(m, n, x, ldx, y, ldy, s, lds);
+            if (n <= 8 || (n <= 16 && m <= 16)) return head_nt<Dk>(m, n, x, ldx, y, ldy, s, lds);
         gemm::gemm_nt(m, n, Dk, x, ldx, y, ldy, s, lds);
     }
     /// O[M,Dk] = beta·O + A[M,N]·Y[N,Dk], beta 0 or 1
@@ -40,7 +43,7 @@ struct head_products {
     static void head_gemm_nn(index_t m, index_t n, const T* a, index_t lda, const T* y, index_t ldy, T* o, index_t ldo,
                              T beta = T(0)) {
         if constexpr (fits<T, Dk>)
-            if (m <= max_reread_rows && n <= max_reread_rows && (beta == T(0) || beta == T(1)))
+            if (n <= max_reread_rows && (beta == T(0) || beta == T(1)))
                 return head_nn<Dk>(m, n, a, lda, y, ldy, o, ldo, beta != T(0));
         gemm::gemm_nn(m, Dk, n, a, lda, y, ldy, o, ldo, beta);
     }
@@ -131,9 +134,22 @@ struct head_products {
     }
 
     /// O[j, :] (= or +=) Σ_i A[i, j]·X[i, :]
+    /// (Taken max_reread_rows rows of X at a time.)
     template <index_t Dk, class T>
     static void head_tn(index_t m, index_t n, const T* a, index_t lda, const T* x_in, index_t ldx_in, T* o, index_t ldo,
                         bool accumulate = false) {
+        index_t i0 = 0;
+        do {  // at least once: m = 0 still writes O = 0 when not accumulating
+            head_tn_block<Dk>(std::min(max_reread_rows, m - i0), n, a + i0 * lda, lda, x_in + i0 * ldx_in, ldx_in, o,
+                              ldo, accumulate || i0 > 0);
+            i0 += max_reread_rows;
+        } while (i0 < m);
+    }
+
+private:
+    template <index_t Dk, class T>
+    static void head_tn_block(index_t m, index_t n, const T* a, index_t lda, const T* x_in, index_t ldx_in, T* o,
+                              index_t ldo, bool accumulate) {
         using B = simd::batch<T>;
         constexpr index_t V = Dk / simd::width<T>, W = simd::width<T>;
         alignas(64) T pack[max_reread_rows * Dk];
@@ -170,7 +186,6 @@ struct head_products {
         }
     }
 
-private:
     // The rows of an operand read more than once, copied to contiguous stack memory: a head's rows
     // lie batch·D floats apart (A: 16 or 32 KiB), so more than a few of them share one L1 set.
     template <index_t Dk, class T>
