@@ -116,8 +116,8 @@ public:
         K::add_bias_rows(batch, D, u_.value(), qu.data(), D);  // q + u, u [heads·d_k] broadcast
 
         const T scale = T(1) / std::sqrt(T(d_head));
-        const T* r_win = r_.value() + (n_pos_ - t) * D;  // R[P − t + j] for j = 0 … t − 1
-        const T* s_win = s_.value() + (n_pos_ - t) * H;
+        const T* r_win = r_.value_rows(n_pos_ - t, n_pos_);  // R[P − t + j] for j = 0 … t − 1
+        const T* s_win = s_.value_rows(n_pos_ - t, n_pos_);
         T* attn = cache.attn;
         parallel_range(batch * H, batch * H * t >= 4096, [&](index_t bh_begin, index_t bh_end) {
             for (index_t bh = bh_begin; bh < bh_end; ++bh) {
@@ -156,7 +156,7 @@ public:
         K::add_bias_rows(batch, D, u_.value(), qu.data(), D);
 
         const T scale = T(1) / std::sqrt(T(d_head));
-        const T* r_win = r_.value() + (n_pos_ - t) * D;
+        const T* r_win = r_.value_rows(n_pos_ - t, n_pos_);
         const T* attn = cache.attn;
         T* d_scores = d_scores_.ensure(attn_size(batch, t));  // [B, H, t]
         parallel_range(batch * H, batch * H * t >= 4096, [&](index_t bh_begin, index_t bh_end) {

@@ -229,14 +229,14 @@ public:
 
         // q·R over the window of table rows [P − K, P + Q), one GEMM per head: pos[h] [Q·B, W].
         T* pos = pos_.ensure(index_t(heads) * qb * w);
-        const T* r_win = r_.value() + (n_pos_ - k_len_) * D;
+        const T* r_win = r_.value_rows(n_pos_ - k_len_, n_pos_ - k_len_ + w);
         for_each_head(qb * w * Dk, [&](index_t h) {
             K::gemm_nt(qb, w, Dk, q.data() + h * Dk, D, r_win + h * Dk, D, pos + h * qb * w, w);
         });
 
         T* attn = attn_.ensure(batch_ * H * q_len_ * k_len_);
         const T scale = T(1) / std::sqrt(T(d_head));
-        const T* s_win = s_.value() + (n_pos_ - k_len_) * H;
+        const T* s_win = s_.value_rows(n_pos_ - k_len_, n_pos_ - k_len_ + w);
         const index_t ld = batch_ * D, ldkv = batch_ * 2 * D;  // row strides of one batch element's sequence
         const std::uint8_t* keep = key_pad_ ? build_keep() : nullptr;
         // Content scores from column c0 on (absorbed: the memory's columns are already there), the
@@ -342,7 +342,7 @@ public:
         }
 
         // Per head: dq = d_pos·R_win, dR_win += d_posᵀ·q, dS_win += column sums of d_pos.
-        const T* r_win = r_.value() + (n_pos_ - k_len_) * D;
+        const T* r_win = r_.value_rows(n_pos_ - k_len_, n_pos_ - k_len_ + w);
         T* dr_win = r_.touch_grad_rows(n_pos_ - k_len_, n_pos_ - k_len_ + w);  // rows [P − K, P + Q)
         T* ds_win = s_.touch_grad_rows(n_pos_ - k_len_, n_pos_ - k_len_ + w);
         T* cols = col_sums_.ensure(H * w);

@@ -2,6 +2,8 @@
 // The one place mnemo touches xsimd. Debian 12 ships xsimd 8.1: its horizontal sum is `hadd` (9.0
 // renamed it reduce_add), it has no reduce_max, and its free load_unaligned<Arch> breaks for a
 // non-default Arch, so loads and stores go through the batch type's members.
+#include <type_traits>
+
 #include <xsimd/xsimd.hpp>
 
 #include "../../core/shape.hpp"
@@ -20,8 +22,19 @@ template <class T>
 inline void store(T* p, const batch<T>& b) { b.store_unaligned(p); }
 template <class T>
 inline batch<T> splat(T v) { return batch<T>(v); }
+/// xsimd's hadd, except for 8 doubles: there g++ 12 warns, wherever it is inlined into user code,
+/// about the undefined vector inside _mm512_extractf64x4_pd; the lanes are summed here in hadd's
+/// own order instead (hi + lo halves, then (0 + 2) + (1 + 3)), so the result is the same.
 template <class T>
-inline T reduce_add(const batch<T>& b) { return xsimd::hadd(b); }
+inline T reduce_add(const batch<T>& b) {
+    if constexpr (std::is_same_v<T, double> && batch<T>::size == 8) {
+        alignas(64) double l[8];
+        b.store_aligned(l);
+        return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+    } else {
+        return xsimd::hadd(b);
+    }
+}
 template <class T>
 inline T reduce_max(const batch<T>& b) {
     alignas(64) T lanes[batch<T>::size];
