@@ -152,6 +152,39 @@ TEST_CASE("softmax: in place and huge logits stay finite") {
     check_close("softmax in place", x, ref, 1e-7, 1e-6);
 }
 
+TEST_CASE("softmax: contiguous short rows match a double-precision softmax, long rows softmax_forward") {
+    std::uint64_t seed = 40;
+    for (index_t cols : {1, 2, 3, 4, 7, 8, 15, 16, 17, 40})
+        for (index_t rows : {1, 2, 3, 8, 9})
+            for (float scale : {0.17677669f, 1.0f, -0.5f}) {
+                auto x = mnemo::testing::random_vector<float>(rows * cols, seed++);
+                for (auto& v : x) v *= 6.0f;
+                const auto x0 = x;
+                K::softmax_contiguous(rows, cols, x.data(), scale);
+                double worst = 0;
+                for (index_t i = 0; i < rows; ++i) {
+                    double mx = -1e300, sum = 0;
+                    for (index_t j = 0; j < cols; ++j) mx = std::max(mx, double(scale) * x0[i * cols + j]);
+                    for (index_t j = 0; j < cols; ++j) sum += std::exp(double(scale) * x0[i * cols + j] - mx);
+                    for (index_t j = 0; j < cols; ++j) {
+                        const double ref = std::exp(double(scale) * x0[i * cols + j] - mx) / sum;
+                        worst = std::max(worst, std::fabs(double(x[i * cols + j]) - ref));
+                    }
+                }
+                INFO("rows " << rows << " cols " << cols << " scale " << scale);
+                CHECK(worst < 1e-6);
+                if (cols >= 16) {  // the row path itself, bitwise
+                    auto y = x0;
+                    K::softmax_forward(rows, cols, y.data(), cols, y.data(), cols, scale);
+                    CHECK(y == x);
+                }
+            }
+    double d[6] = {1, 2, 3, 4, 5, 6}, e[6] = {1, 2, 3, 4, 5, 6};  // double: softmax_forward's result
+    K::softmax_contiguous<double>(2, 3, d, 0.5);
+    K::softmax_forward<double>(2, 3, e, 3, e, 3, 0.5);
+    for (int i = 0; i < 6; ++i) CHECK(d[i] == e[i]);
+}
+
 TEST_CASE("softmax: backward matches the Jacobian product") {
     std::uint64_t seed = 200;
     for (index_t rows : {1, 5, 19}) {

@@ -200,7 +200,8 @@ private:
                     mask.keep = keep + b * n;
                     mask.ld_keep = 0;
                 }
-                K::softmax_forward(q_len, n, ab, n, ab, n, scale, mask);
+                if (!mask.keep) K::softmax_contiguous(q_len, n, ab, scale);
+                else K::softmax_forward(q_len, n, ab, n, ab, n, scale, mask);
                 K::template head_gemm_nn<Dk>(q_len, n, ab, n, v.data() + off, ld, out.data() + off, ld);
             }
         });

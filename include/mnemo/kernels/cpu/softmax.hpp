@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "../../core/parallel.hpp"
 #include "../../core/shape.hpp"
@@ -44,6 +45,47 @@ struct softmax {
             else row_prefix(xi, yi, cols, n, scale);
         }
         });
+    }
+
+    /// The unmasked softmax(scale · x) of a contiguous block [rows, cols] (row stride cols), in place.
+    /// Rows shorter than the SIMD width have their exponentials taken over the whole block as one
+    /// array, where row by row they would be all scalar std::exp calls (A's reconstruction loss: rows
+    /// of 4 and 8 columns); longer rows go to softmax_forward. Same formula; the exponential is
+    /// xsimd's, so the last bit may differ from softmax_forward's scalar tail.
+    template <class T>
+    static void softmax_contiguous(index_t rows, index_t cols, T* x, T scale) {
+        using B = simd::batch<T>;
+        constexpr index_t W = simd::width<T>;
+        // double (a test type here) keeps the row path: g++ 12 warns inside xsimd's double exp when
+        // it is inlined this way.
+        if constexpr (!std::is_same_v<T, float>) {
+            return softmax_forward(rows, cols, x, cols, x, cols, scale);
+        } else {
+            if (cols >= W) return softmax_forward(rows, cols, x, cols, x, cols, scale);
+            if (cols <= 0) return;
+            for (index_t i = 0; i < rows; ++i) {  // shift each row by its largest scaled value
+                T* xi = x + i * cols;
+                T shift = scale * xi[0];
+                for (index_t j = 1; j < cols; ++j) shift = std::max(shift, scale * xi[j]);
+                for (index_t j = 0; j < cols; ++j) xi[j] = scale * xi[j] - shift;
+            }
+            const index_t total = rows * cols, nv = simd::full_batches<T>(total);
+            index_t k = 0;
+            for (; k < nv; k += W) simd::store(x + k, xsimd::exp(simd::load(x + k)));
+            if (k < total) {
+                alignas(64) T tail[W];
+                for (index_t t = 0; t < W; ++t) tail[t] = k + t < total ? x[k + t] : T(0);
+                xsimd::exp(B::load_aligned(tail)).store_aligned(tail);
+                for (index_t t = 0; k + t < total; ++t) x[k + t] = tail[t];
+            }
+            for (index_t i = 0; i < rows; ++i) {
+                T* xi = x + i * cols;
+                T sum = 0;
+                for (index_t j = 0; j < cols; ++j) sum += xi[j];
+                const T inv = T(1) / sum;
+                for (index_t j = 0; j < cols; ++j) xi[j] *= inv;
+            }
+        }
     }
 
     /// dx = softmax backward given the forward output y and upstream dy. dx may alias dy.
