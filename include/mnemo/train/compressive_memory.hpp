@@ -74,6 +74,7 @@ public:
         for (auto& l : layers_) {
             l.mem.reset(2 * m * batch * index_t(D));
             l.c_mem.reset(c_mem_len_ > 0 ? 2 * cm * batch * index_t(D) : 0);
+            l.away = nullptr;
         }
         for (auto* p : {&pad_, &away_pad_}) {
             p->reserve(std::size_t(m * batch));

@@ -149,10 +149,8 @@ public:
     void step(parameter_set<T>& set) { step(set, self().options().lr); }
     void step(parameter_set<T>& set, double lr) {
         const parameter_set<T>& cset = set;
-        if constexpr (requires(Derived& d) { d.step_deferred(set, 0.0); }) {
-            MNEMO_CHECK(set.size() == self().size(), "optimizer: buffer size mismatch: built for ", self().size(),
-                        " elements, stepped over a parameter set of ", set.size());
-            self().step_deferred(set, lr);
+        if constexpr (requires { Derived::defers_decay; }) {  // adamw, labml_adam: see parameters.hpp
+            self().run(nullptr, cset.grads(), set.size(), lr, cset.grad_live_ranges(), &set);
             return;
         }
         T* values = set.values();
@@ -311,13 +309,14 @@ public:
     void step(T* params, const T* grads, index_t n, double lr, std::span<const flat_range> live) {
         run(params, grads, n, lr, live, nullptr);
     }
-    /// step(set): the decay of the blocks that get no gradient is deferred (parameters.hpp).
-    void step_deferred(parameter_set<T>& set, double lr) {
-        const parameter_set<T>& cset = set;
-        run(nullptr, cset.grads(), set.size(), lr, cset.grad_live_ranges(), &set);
-    }
 
 private:
+    friend class detail::optim::step_overloads<adamw<T>, T>;
+    // step(set) defers the decay of the blocks that get no gradient (parameters.hpp).
+    static constexpr bool defers_decay = true;
+
+    // With `deferral`, params is null and comes from deferral->begin_deferred_decay(), after the checks
+    // (a rejected step must not log a factor).
     void run(T* params, const T* grads, index_t n, double lr, std::span<const flat_range> live,
              parameter_set<T>* deferral) {
         detail::optim::check_step(deferral ? grads : params, grads, n, this->n_, lr, "adamw");
@@ -550,13 +549,14 @@ public:
     void step(T* params, const T* grads, index_t n, double lr_t, std::span<const flat_range> live) {
         run(params, grads, n, lr_t, live, nullptr);
     }
-    /// step(set): the decay of the blocks that get no gradient is deferred (parameters.hpp).
-    void step_deferred(parameter_set<T>& set, double lr_t) {
-        const parameter_set<T>& cset = set;
-        run(nullptr, cset.grads(), set.size(), lr_t, cset.grad_live_ranges(), &set);
-    }
 
 private:
+    friend class detail::optim::step_overloads<labml_adam<T>, T>;
+    // step(set) defers the decay of the blocks that get no gradient (parameters.hpp).
+    static constexpr bool defers_decay = true;
+
+    // With `deferral`, params is null and comes from deferral->begin_deferred_decay(), after the checks
+    // (a rejected step must not log a factor).
     void run(T* params, const T* grads, index_t n, double lr_t, std::span<const flat_range> live,
              parameter_set<T>* deferral) {
         detail::optim::check_step(deferral ? grads : params, grads, n, this->n_, lr_t, "labml_adam");

@@ -3,7 +3,8 @@
 // compile time, for the small shapes of short segments: A's attention over its 8 segment keys is an
 // 8×8×32 product per (batch element, head), thousands of them per step, where a general GEMM's call,
 // blocking and packing cost several times the 2K multiply-adds. Here the rows of d_k floats stay in
-// registers (d_k / SIMD width vectors each) and nothing is packed.
+// registers (d_k / SIMD width vectors each); no GEMM packing, only the operand read more than once
+// is copied to the stack.
 //
 //   head_nt: S[M,N]  = X[M,Dk]·Y[N,Dk]ᵀ            (scores q·kᵀ; d attention weights dO·vᵀ)
 //   head_nn: O[M,Dk] (=, +=) A[M,N]·Y[N,Dk]          (context a·v; d(q+u) = dS·k)
