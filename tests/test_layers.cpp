@@ -2,6 +2,8 @@
 // backward accumulates into pre-filled parameter gradients.
 #include <doctest/doctest.h>
 
+#include <omp.h>
+
 #include <cstring>
 #include <vector>
 
@@ -318,4 +320,59 @@ TEST_CASE("linear and layer_norm: backward_input gives dx and leaves parameter g
     ln.backward_input(V(x.data(), rows), V(dy.data(), rows), V(dx_input.data(), rows), st);
     check_close("layer_norm backward_input", dx_input, dx_full, 1e-15, 1e-14);
     for (index_t i = 0; i < ps.size(); ++i) REQUIRE(ps.grads()[i] == 0.0);
+}
+
+TEST_CASE("parallel_invoke: runs both calls once, concurrently on two threads or in order on one") {
+    const int saved = omp_get_max_threads();
+    for (int threads : {1, 2, 3}) {
+        omp_set_num_threads(threads);
+        for (bool worth : {false, true}) {
+            int f_runs = 0, g_runs = 0, f_thread = -1, g_thread = -1;
+            mnemo::parallel_invoke(
+                worth, [&] { ++f_runs, f_thread = omp_get_thread_num(); }, [&] { ++g_runs, g_thread = omp_get_thread_num(); });
+            CHECK(f_runs == 1);
+            CHECK(g_runs == 1);
+            CHECK(f_thread == 0);
+            CHECK(g_thread == (worth && threads >= 2 ? 1 : 0));
+        }
+    }
+    omp_set_num_threads(saved);
+    int both_here = 0, team = 0;  // inside a parallel region: both on the calling thread, no nested team
+#pragma omp parallel num_threads(2)
+    {
+        int f_thread = -1, g_thread = -1;
+        mnemo::parallel_invoke(true, [&] { f_thread = omp_get_thread_num(); }, [&] { g_thread = omp_get_thread_num(); });
+#pragma omp critical
+        {
+            both_here += int(f_thread == omp_get_thread_num() && g_thread == omp_get_thread_num());
+            team = omp_get_num_threads();
+        }
+    }
+    CHECK(both_here == team);
+}
+
+TEST_CASE("linear: backward is bitwise the same on one thread and with dW and dx on two threads at once") {
+    // 256×128×128 products: gemm::concurrent_pair runs dW = dyᵀ·x and dx = dy·W one per thread.
+    constexpr std::size_t In = 128, Out = 128;
+    const index_t rows = 256;
+    REQUIRE(mnemo::ops<mnemo::cpu>::concurrent_pair(rows, In, Out) == (omp_get_max_threads() >= 2));
+    auto x = random_vector<float>(rows * index_t(In), 21);
+    auto dy = random_vector<float>(rows * index_t(Out), 22);
+    std::vector<float> dx[2], grads[2];
+    const int saved = omp_get_max_threads();
+    for (int threads = 1; threads <= 2; ++threads) {
+        omp_set_num_threads(threads);
+        mnemo::parameter_set<float> ps;
+        mnemo::linear<float, In, Out> lin(ps, "l");
+        ps.allocate();
+        randomize_parameters(ps, 23);
+        ps.zero_grad();
+        dx[threads - 1].assign(std::size_t(rows) * In, 0.5f);
+        lin.backward(view<const float, In>(x.data(), rows), view<const float, Out>(dy.data(), rows),
+                     view<float, In>(dx[threads - 1].data(), rows), true);
+        grads[threads - 1].assign(ps.grads(), ps.grads() + ps.size());
+    }
+    omp_set_num_threads(saved);
+    CHECK(dx[0] == dx[1]);
+    CHECK(grads[0] == grads[1]);
 }

@@ -10,6 +10,12 @@
 // every region that ends up with one thread, e.g. `#pragma omp parallel for if (false)` or any
 // nested region, while a region of several threads reuses the previous team.
 // Iterations must be independent, so results never depend on the thread count.
+//
+//   parallel_invoke(worth_it, f, g);
+//
+// f() and g() at the same time, one per thread (in order on one thread): two independent pieces of
+// work of about the same size, such as a linear layer's dW = dyᵀ·x and dx = dy·W, each then on one
+// thread instead of each split over both with a join between them.
 #include <omp.h>
 
 #include <algorithm>
@@ -18,11 +24,15 @@
 
 namespace mnemo {
 
+/// Threads a loop of n items may use (1: run it on the calling thread).
+inline index_t parallel_threads(index_t n, bool worth_it) {
+    return (worth_it && n > 1 && !omp_in_parallel()) ? std::min<index_t>(index_t(omp_get_max_threads()), n) : 1;
+}
+
 template <class F>
 inline void parallel_range(index_t n, bool worth_it, F&& body) {
     if (n <= 0) return;
-    const index_t threads =
-        (worth_it && n > 1 && !omp_in_parallel()) ? std::min<index_t>(index_t(omp_get_max_threads()), n) : 1;
+    const index_t threads = parallel_threads(n, worth_it);
     if (threads <= 1) {
         body(index_t(0), n);
         return;
@@ -32,6 +42,21 @@ inline void parallel_range(index_t n, bool worth_it, F&& body) {
         const index_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         const index_t begin = n * t / nt, end = n * (t + 1) / nt;
         if (begin < end) body(begin, end);
+    }
+}
+
+template <class F, class G>
+inline void parallel_invoke(bool worth_it, F&& f, G&& g) {
+    if (parallel_threads(2, worth_it) < 2) {
+        f();
+        g();
+        return;
+    }
+#pragma omp parallel num_threads(2)
+    {
+        const int t = omp_get_thread_num();
+        if (t == 0) f();
+        if (t == 1 || (t == 0 && omp_get_num_threads() < 2)) g();  // the team may be smaller than asked
     }
 }
 

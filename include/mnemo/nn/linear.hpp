@@ -7,6 +7,7 @@
 #include <cmath>
 #include <string>
 
+#include "../core/parallel.hpp"
 #include "../core/rng.hpp"
 #include "module.hpp"
 
@@ -62,13 +63,20 @@ public:
         static_assert(check_view<Out, DY, axis::out_features, Backend>());
         static_assert(check_view<In, DX, axis::in_features, Backend>());
         check_shapes(x, dy, "x", "dy");
-        K::gemm_tn(out_, in_, x.rows(), dy.data(), dy.ld(), x.data(), x.ld(), weight_.grad(), in_, T(1));
-        if (bias_) K::sum_rows_accumulate(dy.rows(), out_, dy.data(), dy.ld(), bias_.grad());
-        if (dx.data()) {
-            check_shapes(dx, dy, "dx", "dy");
-            K::gemm_nn(dy.rows(), in_, out_, dy.data(), dy.ld(), weight_.value(), in_, dx.data(), dx.ld(),
-                       accumulate_dx ? T(1) : T(0));
-        }
+        if (dx.data()) check_shapes(dx, dy, "dx", "dy");
+        // The parameters' pointers first: reading them may settle deferred optimizer work, which
+        // must not happen on two threads at once.
+        T* gw = weight_.grad();
+        T* gb = bias_ ? bias_.grad() : nullptr;
+        const T* w = dx.data() ? weight_.value() : nullptr;
+        auto weight_grads = [&] {
+            K::gemm_tn(out_, in_, x.rows(), dy.data(), dy.ld(), x.data(), x.ld(), gw, in_, T(1));
+            if (gb) K::sum_rows_accumulate(dy.rows(), out_, dy.data(), dy.ld(), gb);
+        };
+        auto input_grad = [&] {
+            if (w) K::gemm_nn(dy.rows(), in_, out_, dy.data(), dy.ld(), w, in_, dx.data(), dx.ld(), accumulate_dx ? T(1) : T(0));
+        };
+        parallel_invoke(w && K::concurrent_pair(dy.rows(), in_, out_), weight_grads, input_grad);
     }
 
     /// dx = dy·W only (or += when accumulate_dx): the parameters are read as constants and receive

@@ -749,23 +749,31 @@ private:
     }
 
     /// [dW_k; dW_v] += dkvᵀ·z, db_v += Σ rows dv; dz = dkv·[W_k; W_v] (skipped when dz is null).
+    /// The weight gradients and dz are independent: at A's sizes they run at the same time, one
+    /// per thread (gemm::concurrent_pair). The parameters' pointers are read first, on this thread.
     void project_kv_backward(index_t rows, const T* z, index_t ldz, const T* dkv, T* dz, index_t lddz) const {
         const T *wk = key_.weight().value(), *wv = value_.weight().value();
-        T *gk = key_.weight().grad(), *gv = value_.weight().grad();
-        if (kv_fused()) {
-            K::gemm_tn(2 * D, D, rows, dkv, 2 * D, z, ldz, gk, D, T(1));
-        } else {
-            K::gemm_tn(D, D, rows, dkv, 2 * D, z, ldz, gk, D, T(1));
-            K::gemm_tn(D, D, rows, dkv + D, 2 * D, z, ldz, gv, D, T(1));
-        }
-        K::sum_rows_accumulate(rows, D, dkv + D, 2 * D, value_.bias().grad());
-        if (!dz) return;
-        if (kv_fused()) {
-            K::gemm_nn(rows, D, 2 * D, dkv, 2 * D, wk, D, dz, lddz);
-        } else {
-            K::gemm_nn(rows, D, D, dkv, 2 * D, wk, D, dz, lddz);
-            K::gemm_nn(rows, D, D, dkv + D, 2 * D, wv, D, dz, lddz, T(1));
-        }
+        T *gk = key_.weight().grad(), *gv = value_.weight().grad(), *gbv = value_.bias().grad();
+        const bool fused = kv_fused();
+        auto weight_grads = [&] {
+            if (fused) {
+                K::gemm_tn(2 * D, D, rows, dkv, 2 * D, z, ldz, gk, D, T(1));
+            } else {
+                K::gemm_tn(D, D, rows, dkv, 2 * D, z, ldz, gk, D, T(1));
+                K::gemm_tn(D, D, rows, dkv + D, 2 * D, z, ldz, gv, D, T(1));
+            }
+            K::sum_rows_accumulate(rows, D, dkv + D, 2 * D, gbv);
+        };
+        auto input_grad = [&] {
+            if (!dz) return;
+            if (fused) {
+                K::gemm_nn(rows, D, 2 * D, dkv, 2 * D, wk, D, dz, lddz);
+            } else {
+                K::gemm_nn(rows, D, D, dkv, 2 * D, wk, D, dz, lddz);
+                K::gemm_nn(rows, D, D, dkv + D, 2 * D, wv, D, dz, lddz, T(1));
+            }
+        };
+        parallel_invoke(dz && K::concurrent_pair(rows, D, 2 * D), weight_grads, input_grad);
     }
 
     std::string name_;

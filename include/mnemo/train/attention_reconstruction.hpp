@@ -102,10 +102,18 @@ public:
             attn.query().forward(hn, qw);
             q = qw;
         }
-        attn.key().forward(mn, km);
-        attn.value().forward(mn, vm);
-        attn.key().forward(cn, kc);
-        attn.value().forward(cn, vc);
+        // Keys on one thread, values on the other (A: four 256- and 128-row products that two
+        // threads each split poorly; gemm::concurrent_pair).
+        parallel_invoke(
+            K::concurrent_pair(mb, D, D),
+            [&] {
+                attn.key().forward(mn, km);
+                attn.key().forward(cn, kc);
+            },
+            [&] {
+                attn.value().forward(mn, vm);
+                attn.value().forward(cn, vc);
+            });
 
         view<T, DM, Backend> out_m(out_m_.ensure(qb * D), qb), out_c(out_c_.ensure(qb * D), qb);
         T* a_m = a_m_.ensure(batch * H * q_len * m_len);

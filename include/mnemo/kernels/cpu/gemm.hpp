@@ -103,6 +103,16 @@ struct gemm {
         return (work >= parallel_min_work && !omp_in_parallel()) ? omp_get_max_threads() : 1;
     }
 
+    /// Two independent products of about m·n·k multiply-adds each (a linear layer's dW = dyᵀ·x and
+    /// dx = dy·W) are better run at the same time, one per thread (parallel_invoke), than one after
+    /// the other on all threads: from 2^19 multiply-adds (a fork costs about 4 µs on the 2-core VM)
+    /// to under 2^24, where the threads split one product well. Measured in configuration A's step
+    /// (256×128×128 to 256×256×128): two threads on one packed product ran only 1.25× one thread.
+    static bool concurrent_pair(index_t m, index_t n, index_t k) {
+        const double work = double(m) * double(n) * double(k);
+        return work >= double(1 << 19) && work < double(1 << 24) && omp_get_max_threads() >= 2 && !omp_in_parallel();
+    }
+
     /// Calls f(m0, m1, n0, n1) over blocks of C [m, n]: one block of rows per thread when the product
     /// is big enough. Only rows are split, in multiples of 16: Eigen computes a row-major C as its
     /// transpose, so C's rows are the columns of Eigen's kernel, whose 4-wide panels each sum over k
