@@ -2,6 +2,8 @@
 // of the SIMD width.
 #include <doctest/doctest.h>
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -116,6 +118,60 @@ std::vector<T> naive_softmax(index_t rows, index_t cols, const std::vector<T>& x
 
 TEST_CASE("gemm: nn, nt and tn forms with accumulate match a naive loop (float)") { check_gemm_forms<float>(2e-5); }
 TEST_CASE("gemm: nn, nt and tn forms with accumulate match a naive loop (double)") { check_gemm_forms<double>(1e-12); }
+
+TEST_CASE("gemm: one- and two-row products (GEMVs) are bitwise the same on 1, 2 and 3 threads") {
+    // Large matrix-vector products split their outputs over the threads (gemv_parallel_min), at
+    // multiples of gemv_split outputs: every output must come out with the same bits.
+    struct shape {
+        index_t m, n, k;
+    };
+    const int saved = omp_get_max_threads();
+    for (auto [m, n, k] : {shape{1, 512, 256}, shape{1, 1024, 256}, shape{2, 2048, 512}, shape{1, 1000, 700},
+                           shape{1, 4100, 64}, shape{2, 300, 1024}, shape{1, 129, 2048}}) {
+        REQUIRE(n * k >= K::gemv_parallel_min);
+        // Operands at odd offsets, with row strides wider than the rows.
+        const index_t lda = k + 3, ldb_nt = k + 5, ldb_nn = n + 7, ldc = n + 1;
+        auto a = mnemo::testing::random_vector<float>(m * lda + 1, 11);
+        auto a_t = mnemo::testing::random_vector<float>(k * (m + 2) + 1, 12);  // A [k, m] for tn, stride m + 2
+        auto b_nt = mnemo::testing::random_vector<float>(n * ldb_nt + 1, 13);
+        auto b_nn = mnemo::testing::random_vector<float>(k * ldb_nn + 1, 14);
+        std::vector<float> results[3][3];
+        for (int threads = 1; threads <= 3; ++threads) {
+            omp_set_num_threads(threads);
+            for (int f = 0; f < 3; ++f) {
+                std::vector<float> c(std::size_t(m * ldc + 1), 0.25f);
+                if (f == 0) K::gemm_nt(m, n, k, a.data() + 1, lda, b_nt.data() + 1, ldb_nt, c.data() + 1, ldc, 1.0f);
+                if (f == 1) K::gemm_nn(m, n, k, a.data() + 1, lda, b_nn.data() + 1, ldb_nn, c.data() + 1, ldc, 1.0f);
+                if (f == 2) K::gemm_tn(m, n, k, a_t.data() + 1, m + 2, b_nn.data() + 1, ldb_nn, c.data() + 1, ldc, 1.0f);
+                results[threads - 1][f] = c;
+            }
+        }
+        omp_set_num_threads(saved);
+        for (int f = 0; f < 3; ++f) {
+            CAPTURE(f);
+            CAPTURE(m);
+            CAPTURE(n);
+            CAPTURE(k);
+            CHECK(results[0][f] == results[1][f]);
+            CHECK(results[0][f] == results[2][f]);
+            // and right: against a double loop
+            std::vector<double> ref(std::size_t(m * n));
+            const std::vector<float>& c = results[0][f];
+            double worst = 0;
+            for (index_t i = 0; i < m; ++i)
+                for (index_t j = 0; j < n; ++j) {
+                    double s = 0.25;
+                    for (index_t p = 0; p < k; ++p) {
+                        const double av = f == 2 ? a_t[std::size_t(1 + p * (m + 2) + i)] : a[std::size_t(1 + i * lda + p)];
+                        const double bv = f == 0 ? b_nt[std::size_t(1 + j * ldb_nt + p)] : b_nn[std::size_t(1 + p * ldb_nn + j)];
+                        s += av * bv;
+                    }
+                    worst = std::max(worst, std::abs(s - double(c[std::size_t(1 + i * ldc + j)])));
+                }
+            CHECK(worst < 1e-3);
+        }
+    }
+}
 
 TEST_CASE("softmax: masked rows match a naive loop, including fully masked rows") {
     std::uint64_t seed = 100;
