@@ -63,6 +63,17 @@ struct gemm_packed {
     /// Columns of B one shared packing task covers, and the largest packed B (floats) a team shares.
     static constexpr index_t task_cols = 4 * nr;
     static constexpr index_t shared_b_max = index_t(1) << 22;
+    /// Products of at most this many rows split C's columns over the threads (whole 32-column
+    /// panels; each thread packs all of A and only its own columns of B, so nothing is shared or
+    /// waited for) instead of its rows: with 512 rows or fewer a thread's share of rows re-streams
+    /// all of B for very few tiles. The 51 products of B and C on 2 threads (2 interleaved runs):
+    /// 256 rows 0.64 → 0.71-0.81 of peak, 512 rows 0.74 → 0.81, 1024 rows median 0.80 → 0.82; from
+    /// 2048 rows the row split is ahead (0.86 against 0.82). Every element still sums over k in the
+    /// same order: the bits do not change.
+    static constexpr index_t col_split_rows = 1024;
+    /// ... and at least this many multiply-adds: configuration A's products (256 rows, 2^22-2^23)
+    /// were 1% slower in its training step split by columns.
+    static constexpr double col_split_min_work = double(1 << 24);
     /// How far ahead (floats) copy_block prefetches its source.
     static constexpr index_t prefetch_distance = 2048;
 
@@ -286,7 +297,10 @@ struct gemm_packed {
         const index_t tiles = (m + mr - 1) / mr;
         threads = int(std::min<index_t>(threads, tiles));
         const index_t blocks = (k + kc - 1) / kc * ((n + nc - 1) / nc), tasks = (nc + task_cols - 1) / task_cols;
-        const bool shared = threads > 1 && blocks * kc * nc <= shared_b_max;
+        // Up to col_split_rows rows, the threads take C's columns instead (see there).
+        const bool by_cols = threads > 1 && m <= col_split_rows && n >= 2 * nr * threads &&
+                             double(m) * double(n) * double(k) >= col_split_min_work;
+        const bool shared = threads > 1 && !by_cols && blocks * kc * nc <= shared_b_max;
         float* shared_b = shared ? thread_buffer(2, blocks * kc * nc) : nullptr;
         std::atomic<int>* states = shared ? task_states(blocks * tasks) : nullptr;
 
@@ -302,7 +316,13 @@ struct gemm_packed {
         };
 
         auto body = [&](int t, int team) {
-            const index_t r0 = std::min(m, tiles * t / team * mr), r1 = std::min(m, tiles * (t + 1) / team * mr);
+            index_t r0 = std::min(m, tiles * t / team * mr), r1 = std::min(m, tiles * (t + 1) / team * mr);
+            index_t c0 = 0, c1 = n;
+            if (by_cols) {
+                const index_t panels = (n + nr - 1) / nr;
+                r0 = 0, r1 = m;
+                c0 = std::min(n, panels * t / team * nr), c1 = std::min(n, panels * (t + 1) / team * nr);
+            }
             // The thread's rows in equal blocks of at most mc_max (whole tiles): a short last block
             // would stream all of B from L3 for a tile or two (512 rows: 182+182+148, not 252+252+8).
             const index_t row_blocks = std::max<index_t>(1, (r1 - r0 + mc_max - 1) / mc_max);
@@ -310,8 +330,8 @@ struct gemm_packed {
             float* ap = thread_buffer(0, std::max(mc, mr) * a_ld);
             float* own_b = thread_buffer(1, kc * (shared ? task_cols : nc));
             index_t block = 0;
-            for (index_t jc = 0; jc < n; jc += nc) {
-                const index_t nb = std::min(nc, n - jc), block_tasks = (nb + task_cols - 1) / task_cols;
+            for (index_t jc = c0; jc < c1; jc += nc) {
+                const index_t nb = std::min(nc, c1 - jc), block_tasks = (nb + task_cols - 1) / task_cols;
                 for (index_t pc = 0; pc < k; pc += kc, ++block) {
                     const index_t kb = std::min(kc, k - pc), kb_pad = (kb + lanes - 1) / lanes * lanes;
                     float* bp = own_b;
