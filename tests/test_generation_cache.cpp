@@ -85,6 +85,33 @@ void run_twins(double tolerance, bool no_grad = false) {
 TEST_CASE("generation cache: logits equal the uncached model's (double)") { run_twins<double>(1e-12); }
 TEST_CASE("generation cache: logits equal the uncached model's (float)") { run_twins<float>(2e-5); }
 
+TEST_CASE("generation cache: a long stream of single tokens (the cached rows' window slides and wraps)") {
+    // The attention keeps the cached keys and values in a sliding window of a buffer with slack
+    // (reuse_kv): every token moves the window, and every few tokens its rows go back to the front.
+    // Hundreds of tokens at batch 3 must give the uncached model's logits at every step.
+    const mnemo::index_t vocab = 13, batch = 3;
+    const mnemo::compressive_options o{.vocab = vocab, .n_layers = 2, .d_ff = 20, .n_pos = 64};
+    model_t<double> cached(o), plain(o);
+    cached.reset_parameters(5);
+    plain.reset_parameters(5);
+    cached.cache_memory_projections(true);
+    cached.set_grad_enabled(false);
+    auto mem_c = cached.make_memory(5, 6), mem_p = plain.make_memory(5, 6);
+    mem_c.reset(batch, 1);
+    mem_p.reset(batch, 1);
+    double worst = 0;
+    for (int step = 0; step < 300; ++step) {
+        const auto t = tokens(std::uint64_t(1000 + step), std::size_t(batch), vocab);
+        auto lc = cached.forward(t, batch, mem_c);
+        auto lp = plain.forward(t, batch, mem_p);
+        worst = std::max(worst, max_diff<double>(lc, lp));
+        cached.update_memory(mem_c);
+        plain.update_memory(mem_p);
+    }
+    CHECK(mem_p.c_mem_slots() == 6);
+    CHECK(worst <= 1e-12);
+}
+
 TEST_CASE("generation cache: with gradients disabled, logits equal the uncached model's") {
     run_twins<double>(1e-12, true);
     run_twins<float>(2e-5, true);

@@ -210,6 +210,7 @@ public:
         query_.forward(zq, q);
         const index_t mem = k_len_ - q_len_;
         const bool absorb = !reuse.n && use_absorbed(q_len_, mem);
+        if (!reuse.n) kv_base_ = 0;
         T* kv = reuse.n ? reuse_kv(reuse, zkv.data(), zkv.ld()) : kv_.ensure(kb * 2 * D);  // row r: [k_r, v_r]
         if (!reuse.n) {
             // Absorbed: only the segment's keys and values are projected (rows from mem·B on).
@@ -291,7 +292,7 @@ public:
         MNEMO_CHECK(frozen.rows >= 0 && frozen.rows <= kb - qb, "relative_attention '", name_, "': ", frozen.rows,
                     " frozen key rows, but only ", kb - qb, " rows precede the queries");
         const view<T, d_model, Backend> q(q_.data(), qb), qu(qu_.data(), qb), ctx(ctx_.data(), qb);
-        const T* kv = kv_.data();
+        const T* kv = kv_.data() + kv_base_ * batch_ * 2 * D;
         T* dkv = dkv_.ensure(kb * 2 * D);  // row r: [dk_r, dv_r]
         view<T, d_model, Backend> d_ctx(d_ctx_.ensure(qb * D), qb), dqu(dqu_.ensure(qb * D), qb),
             dq(dq_.ensure(qb * D), qb);
@@ -444,13 +445,23 @@ private:
     /// reused rows are moved within the one buffer, and only when their position changed (a token
     /// that compresses nothing moves none): spans moving to lower positions go first, lowest first,
     /// then those moving up, highest first, so no span overwrites rows another has yet to read.
+    /// The keys and values of the last forward are kept in a window of positions [kv_base_,
+    /// kv_base_ + K) of a buffer with as much slack again: the longest span that moves to lower
+    /// positions (the compressed memory when a slot is dropped, a token's memory otherwise) moves
+    /// the window instead of its rows, and only the other spans are copied. The live rows go back
+    /// to the front when the window would run past the end. (Moving every row by a position was 5%
+    /// of configuration A's generated token.)
     T* reuse_kv(const kv_reuse& reuse, const T* z, index_t ldz) {
         MNEMO_CHECK(last_batch_ == batch_, "relative_attention '", name_, "': key/value reuse across batch sizes (",
                     last_batch_, " then ", batch_, ")");
         MNEMO_CHECK(!absorbed_, "relative_attention '", name_, "': key/value reuse after a forward that did not project "
                     "the memory's keys (absorbed); call keep_projections(true) before that forward");
-        T* kv = kv_.ensure(std::max(k_len_, last_k_len_) * batch_ * 2 * D);  // growing keeps the last call's rows
         const index_t row = batch_ * 2 * D;  // elements per position
+        // Room for two windows; growing keeps the last call's rows where they are (they end at
+        // kv_base_ + last_k_len_, inside the buffer as it was).
+        const index_t most = std::max(k_len_, last_k_len_);
+        T* buf = kv_.ensure(std::max(2 * most, kv_base_ + last_k_len_) * row);
+        const index_t cap = kv_.capacity() / row;
         const kv_reuse order = reuse.sorted();
         const index_t n = order.n;
         for (index_t i = 0; i < n; ++i) {
@@ -461,14 +472,27 @@ private:
         }
         MNEMO_CHECK(n < 2 || order.spans[0].dst + order.spans[0].len <= order.spans[1].dst, "relative_attention '",
                     name_, "': key/value reuse spans overlap");
+        index_t shift = 0, longest = 0;
+        for (index_t i = 0; i < n; ++i) {
+            const auto& sp = order.spans[i];
+            if (sp.src > sp.dst && sp.len > longest) shift = sp.src - sp.dst, longest = sp.len;
+        }
+        const index_t old_base = kv_base_;
+        index_t base = old_base + shift;
+        if (base + k_len_ > cap) base = 0;  // back to the front
+        // Span i's rows go from buffer position old_base + src to base + dst: those moving down
+        // first, in order, then those moving up, in reverse order, so no source is overwritten.
         auto move = [&](const kv_reuse::span& sp) {
-            if (sp.dst != sp.src && sp.len > 0)
-                std::memmove(kv + sp.dst * row, kv + sp.src * row, sizeof(T) * std::size_t(sp.len * row));
+            const index_t from = old_base + sp.src, to = base + sp.dst;
+            if (from != to && sp.len > 0)
+                std::memmove(buf + to * row, buf + from * row, sizeof(T) * std::size_t(sp.len * row));
         };
         for (index_t i = 0; i < n; ++i)
-            if (order.spans[i].dst < order.spans[i].src) move(order.spans[i]);
+            if (base + order.spans[i].dst < old_base + order.spans[i].src) move(order.spans[i]);
         for (index_t i = n - 1; i >= 0; --i)
-            if (order.spans[i].dst > order.spans[i].src) move(order.spans[i]);
+            if (base + order.spans[i].dst > old_base + order.spans[i].src) move(order.spans[i]);
+        kv_base_ = base;
+        T* kv = buf + base * row;
         order.for_each_gap(k_len_, [&](index_t p0, index_t p1) {  // project the positions outside the spans
             project_kv((p1 - p0) * batch_, z + p0 * batch_ * ldz, ldz, kv + p0 * row);
         });
@@ -791,6 +815,7 @@ private:
     std::vector<std::uint8_t> keep_any_;     // [B]
     // Saved by forward: q, q + u [Q·B, D]; [k, v] [K·B, 2D]; attention weights [B, H, Q, K]; context [Q·B, D].
     buffer<T> q_, qu_, kv_, attn_, ctx_;
+    index_t kv_base_ = 0;  // kv_'s first position (reuse_kv slides it)
     // Scratch: positional scores / their gradient [H, Q·B, W]; backward's gradients.
     buffer<T> pos_, d_ctx_, dqu_, dq_, dkv_, d_scores_, col_sums_, frozen_g_, frozen_c_;
     // Absorbed memory: saved q̃, U, Û (with hat_) [H·Q, B, D] and Σ_{j<M} a [B, H, Q]; backward's dU, d q̃, the memory
