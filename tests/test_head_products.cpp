@@ -6,8 +6,10 @@
 // NaN and beta 1, float and double.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include <mnemo/kernels/cpu/ops.hpp>
@@ -93,4 +95,86 @@ TEST_CASE("head products: nt, nn and tn against a double reference across the di
     sweep<float, 128>(seed);
     sweep<float, 24>(seed);  // not a whole number of AVX-512 vectors: the general GEMM
     sweep<double, 32>(seed);
+}
+
+namespace {
+
+// heads_dot_rows and heads_weighted_rows (one query row, every head in one pass over the rows) against
+// a double reference: rows [r0, r1) that start and end off the SIMD width, a run of heads [h0, h1),
+// d_k shorter than a SIMD vector, a whole number of them, and one with a scalar tail; rows strided
+// wider than the heads, outputs outside the range left untouched.
+template <class T, index_t Dk>
+void check_heads(std::uint64_t seed) {
+    const index_t heads = 3, ldy = heads * Dk + 7, rows = 45;
+    const auto x = mnemo::testing::random_vector<T>(heads * Dk, seed);
+    const auto y = mnemo::testing::random_vector<T>(rows * ldy, seed + 1);
+    const T sentinel = T(-777);
+    const double tol = sizeof(T) == 4 ? 1e-6 : 1e-14;
+    for (auto [r0, r1] : {std::pair<index_t, index_t>{0, rows}, {0, 1}, {5, 6}, {3, 40}, {16, 45}, {8, 24}}) {
+        const index_t lds = rows + 2;
+        std::vector<T> s(std::size_t(heads * lds), sentinel);
+        K::heads_dot_rows<Dk>(heads, r0, r1, x.data(), y.data(), ldy, s.data(), lds);
+        double worst = 0;
+        bool untouched = true;
+        for (index_t h = 0; h < heads; ++h)
+            for (index_t r = 0; r < lds; ++r) {
+                const T got = s[std::size_t(h * lds + r)];
+                if (r < r0 || r >= r1) {
+                    untouched = untouched && got == sentinel;
+                    continue;
+                }
+                double ref = 0, scale = 0;
+                for (index_t d = 0; d < Dk; ++d) {
+                    const double p = double(x[std::size_t(h * Dk + d)]) * double(y[std::size_t(r * ldy + h * Dk + d)]);
+                    ref += p;
+                    scale += std::fabs(p);
+                }
+                worst = std::max(worst, std::fabs(double(got) - ref) / (scale + 1e-30));
+            }
+        INFO("dot rows: d_k " << Dk << " rows [" << r0 << ", " << r1 << ")");
+        CHECK(worst < tol);
+        CHECK(untouched);
+    }
+    const index_t lda = rows + 3;
+    const auto a = mnemo::testing::random_vector<T>(heads * lda, seed + 2);
+    for (index_t n : {1, 3, 4, 5, 8, 45})
+        for (auto [h0, h1] : {std::pair<index_t, index_t>{0, heads}, {1, 2}, {1, 3}}) {
+            std::vector<T> o(std::size_t(heads * Dk), sentinel);
+            K::heads_weighted_rows<Dk>(h0, h1, n, a.data(), lda, y.data(), ldy, o.data());
+            double worst = 0;
+            bool untouched = true;
+            for (index_t h = 0; h < heads; ++h)
+                for (index_t d = 0; d < Dk; ++d) {
+                    const T got = o[std::size_t(h * Dk + d)];
+                    if (h < h0 || h >= h1) {
+                        untouched = untouched && got == sentinel;
+                        continue;
+                    }
+                    double ref = 0, scale = 0;
+                    for (index_t r = 0; r < n; ++r) {
+                        const double p = double(a[std::size_t(h * lda + r)]) * double(y[std::size_t(r * ldy + h * Dk + d)]);
+                        ref += p;
+                        scale += std::fabs(p);
+                    }
+                    worst = std::max(worst, std::fabs(double(got) - ref) / (scale + 1e-30));
+                }
+            INFO("weighted rows: d_k " << Dk << " rows " << n << " heads [" << h0 << ", " << h1 << ")");
+            CHECK(worst < tol);
+            CHECK(untouched);
+        }
+}
+
+}  // namespace
+
+TEST_CASE("heads_dot_rows and heads_weighted_rows against a double reference") {
+    std::uint64_t seed = 900;
+    check_heads<float, 4>(seed += 10);
+    check_heads<float, 8>(seed += 10);
+    check_heads<float, 16>(seed += 10);
+    check_heads<float, 32>(seed += 10);
+    check_heads<float, 36>(seed += 10);
+    check_heads<double, 2>(seed += 10);
+    check_heads<double, 4>(seed += 10);
+    check_heads<double, 12>(seed += 10);
+    check_heads<double, 32>(seed += 10);
 }

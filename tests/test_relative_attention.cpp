@@ -7,6 +7,8 @@
 #include <limits>
 #include <vector>
 
+#include <omp.h>
+
 #include <mnemo/core/config.hpp>
 #include <mnemo/nn/relative_attention.hpp>
 
@@ -80,8 +82,9 @@ constexpr mnemo::memory_attention modes[] = {mnemo::memory_attention::projected,
 TEST_CASE("relative_attention: forward matches the defining formula, with and without memory") {
     for (auto mode : modes)
     for (index_t mem : {0, 1, 4}) {
-        for (index_t B : {1, 3}) {
-            const index_t Q = 3, Kn = mem + Q, P = 8;
+        for (index_t B : {1, 3})
+        for (index_t Q : {1, 3}) {  // Q = 1 over projected keys: one_query_forward (a generated token)
+            const index_t Kn = mem + Q, P = 8;
             mnemo::parameter_set<double> ps;
             mnemo::relative_attention<double, cfg> attn(ps, "self_attn", P);
             ps.allocate();
@@ -93,7 +96,7 @@ TEST_CASE("relative_attention: forward matches the defining formula, with and wi
             attn.forward(view<const double, D>(zq.data(), Q * B), view<const double, D>(zkv.data(), Kn * B), B,
                          view<double, D>(out.data(), Q * B));
             auto ref = naive(ps, "self_attn", zq, zkv, Q, Kn, B, P);
-            INFO("mem=" << mem << " batch=" << B << " absorbed=" << (mode == mnemo::memory_attention::absorbed));
+            INFO("mem=" << mem << " batch=" << B << " Q=" << Q << " absorbed=" << (mode == mnemo::memory_attention::absorbed));
             CHECK(attn.last_forward_absorbed() == (mem > 0 && mode == mnemo::memory_attention::absorbed));
             check_close("relative_attention out", out, ref, 1e-13, 1e-12);
         }
@@ -116,9 +119,10 @@ TEST_CASE("relative_attention: state_dict names and shapes are the reference's")
 }
 
 TEST_CASE("relative_attention: backward matches finite differences") {
-  for (auto mode : modes) {
-    INFO("absorbed=" << (mode == mnemo::memory_attention::absorbed));
-    const index_t Q = 3, mem = 2, Kn = mem + Q, B = 2, P = 6;
+  for (auto mode : modes)
+  for (index_t Q : {1, 3}) {
+    INFO("absorbed=" << (mode == mnemo::memory_attention::absorbed) << " Q=" << Q);
+    const index_t mem = 2, Kn = mem + Q, B = 2, P = 6;
     mnemo::parameter_set<double> ps;
     mnemo::relative_attention<double, cfg> attn(ps, "self_attn", P);
     ps.allocate();
@@ -158,7 +162,9 @@ TEST_CASE("relative_attention: backward matches finite differences") {
 // finite differences), with key padding, clamp_len, frozen memory rows that are a layer norm's output
 // (the norm's parameter gradients from ẑ), frozen raw rows, and some memory rows not frozen.
 TEST_CASE("relative_attention: absorbed memory equals projected memory, forward and backward") {
-    const index_t Q = 3, mem = 5, Kn = mem + Q, B = 3, P = 10;
+  for (index_t Q : {1, 3}) {  // Q = 1: the projected route is one_query_forward
+    INFO("Q=" << Q);
+    const index_t mem = 5, Kn = mem + Q, B = 3, P = 10;
     struct run {
         std::vector<double> out, dzq, dzkv, grads, dgamma, dbeta;
     };
@@ -222,6 +228,7 @@ TEST_CASE("relative_attention: absorbed memory equals projected memory, forward 
         check_close("d gamma", a.dgamma, p.dgamma, 1e-12, 1e-12);
         check_close("d beta", a.dbeta, p.dbeta, 1e-12, 1e-12);
     }
+  }
 }
 
 TEST_CASE("relative_attention: more keys than relative positions is a clear error") {
@@ -256,4 +263,41 @@ TEST_CASE("relative_attention: memory rows left unwritten need the absorbed rout
     attn.set_memory_attention(mnemo::memory_attention::absorbed);
     CHECK(attn.would_absorb(Q, mem + Q));
     CHECK_NOTHROW(run());
+}
+
+// One query position (a generated token) over enough keys that one_query_forward splits its rows and
+// heads over the threads: the same bits on 1, 2 and 3 threads, batch 1 and 3, and the per-head
+// route's result (a forward of two query positions whose last row is the same token) to float
+// precision.
+TEST_CASE("relative_attention: one query position gives the same bits on 1, 2 and 3 threads") {
+    using big = mnemo::config<128, 4>;  // d_k 32; 4 heads × 601 keys × 32: past worth_threads()
+    constexpr index_t Db = 128;
+    const index_t mem = 600, P = 1024;
+    for (index_t B : {1, 3}) {
+        INFO("batch " << B);
+        mnemo::parameter_set<float> ps;
+        mnemo::relative_attention<float, big> attn(ps, "self_attn", P);
+        ps.allocate();
+        attn.set_memory_attention(mnemo::memory_attention::projected);
+        randomize_parameters(ps, 51, -0.3f, 0.3f);
+        auto zkv = random_vector<float>((mem + 2) * B * Db, 52);
+        std::vector<float> out[3];
+        const int saved = omp_get_max_threads();
+        for (int threads = 1; threads <= 3; ++threads) {
+            omp_set_num_threads(threads);
+            out[threads - 1].assign(std::size_t(B * Db), 0.0f);
+            attn.forward(view<const float, Db>(zkv.data() + (mem + 1) * B * Db, B),
+                         view<const float, Db>(zkv.data(), (mem + 2) * B), B,
+                         view<float, Db>(out[threads - 1].data(), B));
+        }
+        omp_set_num_threads(saved);
+        CHECK(out[0] == out[1]);
+        CHECK(out[0] == out[2]);
+        // Two query positions (the per-head products): the last one sees the same keys.
+        std::vector<float> two(std::size_t(2 * B * Db));
+        attn.forward(view<const float, Db>(zkv.data() + mem * B * Db, 2 * B), view<const float, Db>(zkv.data(), (mem + 2) * B),
+                     B, view<float, Db>(two.data(), 2 * B));
+        std::vector<double> last(two.begin() + B * Db, two.end()), one(out[0].begin(), out[0].end());
+        check_close("one query vs per-head route", one, last, 1e-5, 1e-5);
+    }
 }

@@ -228,12 +228,15 @@ public:
         K::copy(qb, D, q.data(), D, qu.data(), D);
         K::add_bias_rows(qb, D, u_.value(), qu.data(), D);  // q + u, u [heads·d_k] broadcast over rows
 
-        // q·R over the window of table rows [P − K, P + Q), one GEMM per head: pos[h] [Q·B, W].
+        // q·R over the window of table rows [P − K, P + Q), one GEMM per head: pos[h] [Q·B, W]. (One
+        // query position over projected keys: one_query below computes it with the content scores.)
         T* pos = pos_.ensure(index_t(heads) * qb * w);
         const T* r_win = r_.value_rows(n_pos_ - k_len_, n_pos_ - k_len_ + w);
-        for_each_head(qb * w * Dk, [&](index_t h) {
-            K::gemm_nt(qb, w, Dk, q.data() + h * Dk, D, r_win + h * Dk, D, pos + h * qb * w, w);
-        });
+        const bool one_query = q_len_ == 1 && !absorb;
+        if (!one_query)
+            for_each_head(qb * w * Dk, [&](index_t h) {
+                K::gemm_nt(qb, w, Dk, q.data() + h * Dk, D, r_win + h * Dk, D, pos + h * qb * w, w);
+            });
 
         T* attn = attn_.ensure(batch_ * H * q_len_ * k_len_);
         const T scale = T(1) / std::sqrt(T(d_head));
@@ -243,10 +246,9 @@ public:
         // Content scores from column c0 on (absorbed: the memory's columns are already there), the
         // positional terms, the masked softmax, and the context from the keys' values from c0 on.
         const index_t c0 = absorb ? mem : 0;
-        auto head = [&](index_t b, index_t h) {
-            T* a = attn + (b * H + h) * q_len_ * k_len_;  // [Q, K]
-            const index_t off = b * D + h * Dk, kv_off = c0 * ldkv + b * 2 * D + h * Dk;
-            K::template head_gemm_nt<Dk>(q_len_, k_len_ - c0, qu.data() + off, ld, kv + kv_off, ldkv, a + c0, k_len_);
+        // The positional terms and the masked softmax of (batch element b, head h), over its content
+        // scores a [Q, K].
+        auto finish_scores = [&](index_t b, index_t h, T* a) {
             const T* ph = pos + h * qb * w;
             for (index_t i = 0; i < q_len_; ++i) {
                 const T* pi = ph + (i * batch_ + b) * w + q_len_ - i;  // column Q + j − i at j = 0
@@ -265,9 +267,17 @@ public:
                 mask.ld_keep = 0;  // the same key mask for every query row
             }
             K::softmax_forward(q_len_, k_len_, a, k_len_, a, k_len_, T(1), mask);
+        };
+        auto head = [&](index_t b, index_t h) {
+            T* a = attn + (b * H + h) * q_len_ * k_len_;  // [Q, K]
+            const index_t off = b * D + h * Dk, kv_off = c0 * ldkv + b * 2 * D + h * Dk;
+            K::template head_gemm_nt<Dk>(q_len_, k_len_ - c0, qu.data() + off, ld, kv + kv_off, ldkv, a + c0, k_len_);
+            finish_scores(b, h, a);
             K::template head_gemm_nn<Dk>(q_len_, k_len_ - c0, a + c0, k_len_, kv + kv_off + D, ldkv, ctx.data() + off, ld);
         };
-        if (!absorb) {
+        if (one_query) {
+            one_query_forward(q.data(), qu.data(), r_win, kv, pos, attn, ctx.data(), finish_scores);
+        } else if (!absorb) {
             parallel_range(batch_ * H, worth_threads(), [&](index_t bh_begin, index_t bh_end) {
                 for (index_t bh = bh_begin; bh < bh_end; ++bh) head(bh / H, bh % H);
             });
@@ -522,6 +532,40 @@ private:
     // need no d z = dSᵀ·q̃ + Aᵀ·dU ([M, D]): over the memory rows,
     //   Σ_j dz∘ẑ = Σ_rows q̃∘(dS·ẑ) + dU∘Û      Σ_j dz = Σ_rows (Σ_{j<M} dS)·q̃ + (Σ_{j<M} a)·dU
     // (elementwise over b's [H·Q, D] rows), two [H·Q, M]×[M, D] GEMMs fewer per batch element.
+
+    /// Forward of one query position over projected keys and values (a generated token), every head of
+    /// a batch element in one pass over its rows (heads_dot_rows, heads_weighted_rows): q·R over the
+    /// window's table rows and (q+u)·k over the keys, then finish_scores(b, h, a) (positional terms,
+    /// softmax), then the context. Rows of the dot products are split over the threads in blocks of
+    /// 64, and each thread's context covers a run of heads, so a thread still reads whole runs of
+    /// each row; the bits do not depend on the thread count.
+    template <class Finish>
+    void one_query_forward(const T* q, const T* qu, const T* r_win, const T* kv, T* pos, T* attn, T* ctx,
+                           Finish& finish_scores) {
+        const index_t w = window(), ldkv = batch_ * 2 * D;
+        constexpr index_t block = 64;
+        const index_t blocks = (w + block - 1) / block;  // w = K + 1 covers the keys' rows too
+        parallel_range(batch_ * blocks, worth_threads(), [&](index_t i0, index_t i1) {
+            for (index_t i = i0; i < i1; ++i) {
+                const index_t b = i / blocks, r0 = i % blocks * block;
+                // pos[h] [B, W]: row b of head h at h·B·W + b·W; attn [B, H, K]
+                K::template heads_dot_rows<Dk>(H, r0, std::min(r0 + block, w), q + b * D, r_win, D, pos + b * w,
+                                               batch_ * w);
+                K::template heads_dot_rows<Dk>(H, r0, std::min(r0 + block, k_len_), qu + b * D, kv + b * 2 * D, ldkv,
+                                               attn + b * H * k_len_, k_len_);
+            }
+        });
+        parallel_range(batch_ * H, worth_threads(), [&](index_t i0, index_t i1) {
+            for (index_t i = i0; i < i1;) {  // the heads [h0, h1) of batch element b
+                const index_t b = i / H, h0 = i % H, h1 = std::min<index_t>(H, h0 + (i1 - i));
+                T* a = attn + b * H * k_len_;
+                for (index_t h = h0; h < h1; ++h) finish_scores(b, h, a + h * k_len_);
+                K::template heads_weighted_rows<Dk>(h0, h1, k_len_, a, k_len_, kv + b * 2 * D + D, ldkv, ctx + b * D);
+                i += h1 - h0;
+            }
+        });
+    }
+
 
     /// Forward of the memory's share, then head(b, h) (the segment's share, softmax, context) per head.
     template <class Head>

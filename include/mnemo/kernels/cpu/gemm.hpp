@@ -224,10 +224,11 @@ struct gemm {
 
     /// Matrix-vector products of at least gemv_parallel_min elements split their outputs over the
     /// threads: one generated token of configurations B and C reads every weight once (B: 19 MB, C:
-    /// 75 MB per token), from DRAM, where two cores read about 1.5× as fast as one. A's products
-    /// (16K-32K elements, 64-128 KiB, from L3) stay on one thread: there the fork cost what the
-    /// second core saved.
-    static constexpr index_t gemv_parallel_min = index_t(1) << 17;
+    /// 75 MB per token), from DRAM, where two cores read about 1.5× as fast as one. That includes B's
+    /// 256×256 attention projections (64K elements; on two threads they made B's token 3-10% faster
+    /// on a Zen 1 VM with an 8 MiB L3). A's products (16K-32K elements, 64-128 KiB, from L3) stay on
+    /// one thread: there the fork cost what the second core saved.
+    static constexpr index_t gemv_parallel_min = index_t(1) << 16;
     /// Split points are multiples of 128 outputs: Eigen's GEMV kernels take the outputs in blocks of
     /// at most 128 (8 packets of 16) and compute each output the same way in every block type, so
     /// each block of a split meets the blocks the whole product would: the bits do not depend on

@@ -147,6 +147,100 @@ struct head_products {
         } while (i0 < m);
     }
 
+    // One query row over many rows, every head in one pass (one generated token: the per-head
+    // products read each cached key row once per head, d_k floats at a time, rows 2·D floats apart;
+    // these read each row once, whole). Any d_k: whole SIMD vectors, then a scalar tail. Each output
+    // is computed the same way whatever range of rows or heads a call is given, so splitting a product
+    // over threads leaves its bits alone.
+
+    /// s[h·lds + r] = Σ_{d<Dk} x[h·Dk + d]·y[r·ldy + h·Dk + d], for rows r in [r0, r1) and heads h < heads.
+    /// Rows go W (the SIMD width) at a time: each head's W partial sums reduce together (xsimd::haddp,
+    /// the same tree for every lane), and r0 a multiple of W keeps each row in its lane.
+    template <index_t Dk, class T>
+    static void heads_dot_rows(index_t heads, index_t r0, index_t r1, const T* x, const T* y, index_t ldy, T* s,
+                               index_t lds) {
+        using B = simd::batch<T>;
+        constexpr index_t W = simd::width<T>, V = Dk / W;
+        for (index_t r = r0; r < r1; r += W) {
+            const index_t n = std::min(W, r1 - r);
+            for (index_t h = 0; h < heads; ++h) {
+                const T* xh = x + h * Dk;
+                const T* yh = y + r * ldy + h * Dk;
+                alignas(64) T sums[W];
+                if constexpr (V > 0) {
+                    B xv[V];
+                    for (index_t v = 0; v < V; ++v) xv[v] = simd::load(xh + v * W);
+                    B acc[W];
+                    for (index_t i = 0; i < W; ++i) {
+                        if (i >= n) {
+                            acc[i] = simd::splat(T(0));
+                            continue;
+                        }
+                        const T* yi = yh + i * ldy;
+                        B a = xv[0] * simd::load(yi);
+                        for (index_t v = 1; v < V; ++v) a = xsimd::fma(xv[v], simd::load(yi + v * W), a);
+                        acc[i] = a;
+                    }
+                    xsimd::haddp(acc).store_aligned(sums);
+                } else {
+                    for (index_t i = 0; i < W; ++i) sums[i] = T(0);
+                }
+                for (index_t i = 0; i < n; ++i) {
+                    T t = sums[i];
+                    for (index_t d = V * W; d < Dk; ++d) t += xh[d] * yh[i * ldy + d];
+                    s[h * lds + r + i] = t;
+                }
+            }
+        }
+    }
+
+    /// o[h·Dk + d] = Σ_{r<n} a[h·lda + r]·y[r·ldy + h·Dk + d], for heads h in [h0, h1) (o's other heads
+    /// are not touched). The rows are summed in order, four at a time into registers.
+    template <index_t Dk, class T>
+    static void heads_weighted_rows(index_t h0, index_t h1, index_t n, const T* a, index_t lda, const T* y, index_t ldy,
+                                    T* o) {
+        using B = simd::batch<T>;
+        constexpr index_t W = simd::width<T>, V = Dk / W;
+        std::fill(o + h0 * Dk, o + h1 * Dk, T(0));
+        index_t r = 0;
+        for (; r + 4 <= n; r += 4) {
+            const T* yr = y + r * ldy;
+            for (index_t h = h0; h < h1; ++h) {
+                const T* ah = a + h * lda + r;
+                const T* yh = yr + h * Dk;
+                T* oh = o + h * Dk;
+                if constexpr (V > 0) {
+                    const B s0 = simd::splat(ah[0]), s1 = simd::splat(ah[1]), s2 = simd::splat(ah[2]),
+                            s3 = simd::splat(ah[3]);
+                    for (index_t v = 0; v < V; ++v) {
+                        B c = simd::load(oh + v * W);
+                        c = xsimd::fma(s0, simd::load(yh + v * W), c);
+                        c = xsimd::fma(s1, simd::load(yh + ldy + v * W), c);
+                        c = xsimd::fma(s2, simd::load(yh + 2 * ldy + v * W), c);
+                        c = xsimd::fma(s3, simd::load(yh + 3 * ldy + v * W), c);
+                        simd::store(oh + v * W, c);
+                    }
+                }
+                for (index_t d = V * W; d < Dk; ++d)
+                    for (index_t i = 0; i < 4; ++i) oh[d] += ah[i] * yh[i * ldy + d];
+            }
+        }
+        for (; r < n; ++r) {
+            const T* yr = y + r * ldy;
+            for (index_t h = h0; h < h1; ++h) {
+                const T ar = a[h * lda + r];
+                const T* yh = yr + h * Dk;
+                T* oh = o + h * Dk;
+                if constexpr (V > 0) {
+                    const B s = simd::splat(ar);
+                    for (index_t v = 0; v < V; ++v)
+                        simd::store(oh + v * W, xsimd::fma(s, simd::load(yh + v * W), simd::load(oh + v * W)));
+                }
+                for (index_t d = V * W; d < Dk; ++d) oh[d] += ar * yh[d];
+            }
+        }
+    }
+
 private:
     template <index_t Dk, class T>
     static void head_tn_block(index_t m, index_t n, const T* a, index_t lda, const T* x_in, index_t ldx_in, T* o,
