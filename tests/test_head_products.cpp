@@ -103,6 +103,18 @@ namespace {
 // a double reference: rows [r0, r1) that start and end off the SIMD width, a run of heads [h0, h1),
 // d_k shorter than a SIMD vector, a whole number of them, and one with a scalar tail; rows strided
 // wider than the heads, outputs outside the range left untouched.
+// |got − Σ_{i<n} term(i)| relative to Σ |term(i)|, the sum in double.
+template <class T, class Term>
+double relative_error(T got, index_t n, Term&& term) {
+    double ref = 0, scale = 0;
+    for (index_t i = 0; i < n; ++i) {
+        const double p = term(i);
+        ref += p;
+        scale += std::fabs(p);
+    }
+    return std::fabs(double(got) - ref) / (scale + 1e-30);
+}
+
 template <class T, index_t Dk>
 void check_heads(std::uint64_t seed) {
     const index_t heads = 3, ldy = heads * Dk + 7, rows = 45;
@@ -123,13 +135,9 @@ void check_heads(std::uint64_t seed) {
                     untouched = untouched && got == sentinel;
                     continue;
                 }
-                double ref = 0, scale = 0;
-                for (index_t d = 0; d < Dk; ++d) {
-                    const double p = double(x[std::size_t(h * Dk + d)]) * double(y[std::size_t(r * ldy + h * Dk + d)]);
-                    ref += p;
-                    scale += std::fabs(p);
-                }
-                worst = std::max(worst, std::fabs(double(got) - ref) / (scale + 1e-30));
+                worst = std::max(worst, relative_error(got, Dk, [&](index_t d) {
+                    return double(x[std::size_t(h * Dk + d)]) * double(y[std::size_t(r * ldy + h * Dk + d)]);
+                }));
             }
         INFO("dot rows: d_k " << Dk << " rows [" << r0 << ", " << r1 << ")");
         CHECK(worst < tol);
@@ -150,13 +158,9 @@ void check_heads(std::uint64_t seed) {
                         untouched = untouched && got == sentinel;
                         continue;
                     }
-                    double ref = 0, scale = 0;
-                    for (index_t r = 0; r < n; ++r) {
-                        const double p = double(a[std::size_t(h * lda + r)]) * double(y[std::size_t(r * ldy + h * Dk + d)]);
-                        ref += p;
-                        scale += std::fabs(p);
-                    }
-                    worst = std::max(worst, std::fabs(double(got) - ref) / (scale + 1e-30));
+                    worst = std::max(worst, relative_error(got, n, [&](index_t r) {
+                        return double(a[std::size_t(h * lda + r)]) * double(y[std::size_t(r * ldy + h * Dk + d)]);
+                    }));
                 }
             INFO("weighted rows: d_k " << Dk << " rows " << n << " heads [" << h0 << ", " << h1 << ")");
             CHECK(worst < tol);

@@ -566,7 +566,6 @@ private:
         });
     }
 
-
     /// Forward of the memory's share, then head(b, h) (the segment's share, softmax, context) per head.
     template <class Head>
     void absorbed_forward(const T* z, index_t ldz, const T* qu, T* attn, T* ctx, Head& head) {

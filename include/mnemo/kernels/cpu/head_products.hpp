@@ -202,43 +202,24 @@ struct head_products {
         using B = simd::batch<T>;
         constexpr index_t W = simd::width<T>, V = Dk / W;
         std::fill(o + h0 * Dk, o + h1 * Dk, T(0));
-        index_t r = 0;
-        for (; r + 4 <= n; r += 4) {
-            const T* yr = y + r * ldy;
+        // o += rows [r, r + R) of every head, in order
+        auto add_rows = [&]<index_t R>(index_t r) {
             for (index_t h = h0; h < h1; ++h) {
                 const T* ah = a + h * lda + r;
-                const T* yh = yr + h * Dk;
+                const T* yh = y + r * ldy + h * Dk;
                 T* oh = o + h * Dk;
-                if constexpr (V > 0) {
-                    const B s0 = simd::splat(ah[0]), s1 = simd::splat(ah[1]), s2 = simd::splat(ah[2]),
-                            s3 = simd::splat(ah[3]);
-                    for (index_t v = 0; v < V; ++v) {
-                        B c = simd::load(oh + v * W);
-                        c = xsimd::fma(s0, simd::load(yh + v * W), c);
-                        c = xsimd::fma(s1, simd::load(yh + ldy + v * W), c);
-                        c = xsimd::fma(s2, simd::load(yh + 2 * ldy + v * W), c);
-                        c = xsimd::fma(s3, simd::load(yh + 3 * ldy + v * W), c);
-                        simd::store(oh + v * W, c);
-                    }
+                for (index_t v = 0; v < V; ++v) {
+                    B c = simd::load(oh + v * W);
+                    for (index_t i = 0; i < R; ++i) c = xsimd::fma(simd::splat(ah[i]), simd::load(yh + i * ldy + v * W), c);
+                    simd::store(oh + v * W, c);
                 }
                 for (index_t d = V * W; d < Dk; ++d)
-                    for (index_t i = 0; i < 4; ++i) oh[d] += ah[i] * yh[i * ldy + d];
+                    for (index_t i = 0; i < R; ++i) oh[d] += ah[i] * yh[i * ldy + d];
             }
-        }
-        for (; r < n; ++r) {
-            const T* yr = y + r * ldy;
-            for (index_t h = h0; h < h1; ++h) {
-                const T ar = a[h * lda + r];
-                const T* yh = yr + h * Dk;
-                T* oh = o + h * Dk;
-                if constexpr (V > 0) {
-                    const B s = simd::splat(ar);
-                    for (index_t v = 0; v < V; ++v)
-                        simd::store(oh + v * W, xsimd::fma(s, simd::load(yh + v * W), simd::load(oh + v * W)));
-                }
-                for (index_t d = V * W; d < Dk; ++d) oh[d] += ar * yh[d];
-            }
-        }
+        };
+        index_t r = 0;
+        for (; r + 4 <= n; r += 4) add_rows.template operator()<4>(r);
+        for (; r < n; ++r) add_rows.template operator()<1>(r);
     }
 
 private:
