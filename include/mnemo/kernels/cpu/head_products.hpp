@@ -154,8 +154,8 @@ struct head_products {
     // over threads leaves its bits alone.
 
     /// s[h·lds + r] = Σ_{d<Dk} x[h·Dk + d]·y[r·ldy + h·Dk + d], for rows r in [r0, r1) and heads h < heads.
-    /// Rows go W (the SIMD width) at a time: each head's W partial sums reduce together (xsimd::haddp,
-    /// the same tree for every lane), and r0 a multiple of W keeps each row in its lane.
+    /// Rows go W (the SIMD width) at a time: each head's W partial sums reduce together
+    /// (simd::transpose_add, the same tree for every lane, so a row's bits do not depend on r0).
     template <index_t Dk, class T>
     static void heads_dot_rows(index_t heads, index_t r0, index_t r1, const T* x, const T* y, index_t ldy, T* s,
                                index_t lds) {
@@ -181,7 +181,7 @@ struct head_products {
                         for (index_t v = 1; v < V; ++v) a = xsimd::fma(xv[v], simd::load(yi + v * W), a);
                         acc[i] = a;
                     }
-                    xsimd::haddp(acc).store_aligned(sums);
+                    simd::transpose_add(acc).store_aligned(sums);
                 } else {
                     for (index_t i = 0; i < W; ++i) sums[i] = T(0);
                 }

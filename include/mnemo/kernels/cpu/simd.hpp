@@ -2,7 +2,14 @@
 // The one place mnemo touches xsimd. Debian 12 ships xsimd 8.1: its horizontal sum is `hadd` (9.0
 // renamed it reduce_add), it has no reduce_max, and its free load_unaligned<Arch> breaks for a
 // non-default Arch, so loads and stores go through the batch type's members.
+//
+// xsimd 8.1's `haddp` (W batches to one batch of their W sums) is wrong on AVX-512: for
+// batch<float, avx512bw> it returns the sums in lanes 0,1,4,5,2,3,6,7,8,9,12,13,10,11,14,15. mnemo
+// does not use it; transpose_add below does that job. tests/test_simd.cpp checks every xsimd
+// operation mnemo relies on against a scalar reference, on each instruction set the suite builds.
+#include <bit>
 #include <type_traits>
+#include <utility>
 
 #include <xsimd/xsimd.hpp>
 
@@ -43,6 +50,89 @@ inline T reduce_max(const batch<T>& b) {
     for (std::size_t i = 1; i < batch<T>::size; ++i) m = lanes[i] > m ? lanes[i] : m;
     return m;
 }
+namespace detail {
+
+/// The compiler's own vector of W lanes of T (GCC's and Clang's vector extension). transpose_add is
+/// written once over these and the compiler lowers its shuffles to the target's instructions, so the
+/// lane logic is the same source on every instruction set, and tests can run it at any width on any
+/// host (a 16-lane vector on an AVX2 machine becomes pairs of 8-lane instructions).
+template <class T, int W>
+struct vector_of;
+#define MNEMO_SIMD_VECTOR_OF(T, W) \
+    template <>                    \
+    struct vector_of<T, W> {       \
+        typedef T type __attribute__((vector_size(W * sizeof(T)))); \
+    };
+MNEMO_SIMD_VECTOR_OF(float, 2)
+MNEMO_SIMD_VECTOR_OF(float, 4)
+MNEMO_SIMD_VECTOR_OF(float, 8)
+MNEMO_SIMD_VECTOR_OF(float, 16)
+MNEMO_SIMD_VECTOR_OF(double, 2)
+MNEMO_SIMD_VECTOR_OF(double, 4)
+MNEMO_SIMD_VECTOR_OF(double, 8)
+#undef MNEMO_SIMD_VECTOR_OF
+template <class T, int W>
+using vector = typename vector_of<T, W>::type;
+
+/// Lane i of one half of the pair (a, b) in fold<Blk> below, as an index into a's lanes [0, W) and
+/// b's [W, 2W): in each block of Blk lanes, the first Blk/2 take a's block, the others b's; `upper`
+/// takes the upper half of that block instead of the lower.
+template <int Blk, int W>
+constexpr int fold_lane(int i, bool upper) {
+    const int block = i / Blk * Blk, offset = i % Blk;
+    const int from = offset < Blk / 2 ? block + offset : W + block + offset - Blk / 2;
+    return from + (upper ? Blk / 2 : 0);
+}
+/// In each block of Blk lanes: the lower half holds a's two half-blocks added, the upper b's.
+template <int Blk, class V, int... I>
+inline V fold(const V& a, const V& b, std::integer_sequence<int, I...>) {
+    constexpr int W = sizeof...(I);
+    return __builtin_shufflevector(a, b, fold_lane<Blk, W>(I, false)...) +
+           __builtin_shufflevector(a, b, fold_lane<Blk, W>(I, true)...);
+}
+
+/// One round: fold v[k] with v[k + Blk/2] for k < Blk/2, then the next round on the Blk/2 results.
+template <int Blk, class V, int W>
+inline void fold_rounds(V* v) {
+    for (int k = 0; k < Blk / 2; ++k) v[k] = fold<Blk>(v[k], v[k + Blk / 2], std::make_integer_sequence<int, W>{});
+    if constexpr (Blk > 2) fold_rounds<Blk / 2, V, W>(v);
+}
+
+/// v[0] := (lane i = Σ lanes of v[i]) for i < W, overwriting v. Rounds Blk = W, W/2, ..., 2: every
+/// vector's lanes are summed by the same halving tree, ((l[0] + l[W/2]) + (l[W/4] + l[3W/4])) + ...,
+/// the one halving_sum spells out in scalar code.
+template <class T, int W>
+inline vector<T, W> transpose_add(vector<T, W>* v) {
+    if constexpr (W > 1) fold_rounds<W, vector<T, W>, W>(v);
+    return v[0];
+}
+
+}  // namespace detail
+
+/// The sum of W lanes in transpose_add's order: fold the upper half onto the lower until one is left.
+template <class T, int W>
+inline T halving_sum(const T* lanes) {
+    T l[W];
+    for (int i = 0; i < W; ++i) l[i] = lanes[i];
+    for (int n = W / 2; n >= 1; n /= 2)
+        for (int i = 0; i < n; ++i) l[i] = l[i] + l[i + n];
+    return l[0];
+}
+
+/// Lane i of the result = the sum of the lanes of v[i], for the width<T> batches v (the job of
+/// xsimd's haddp, which is wrong on AVX-512). Every lane is summed in the same order (halving_sum's),
+/// so a value's bits do not depend on which lane it was computed in.
+template <class T>
+inline batch<T> transpose_add(const batch<T> (&v)[batch<T>::size]) {
+    constexpr int W = int(batch<T>::size);
+    using reg = typename batch<T>::register_type;
+    using V = detail::vector<T, W>;
+    static_assert(sizeof(V) == sizeof(reg));
+    V u[W];
+    for (int i = 0; i < W; ++i) u[i] = std::bit_cast<V>(static_cast<reg>(v[i]));
+    return batch<T>(std::bit_cast<reg>(detail::transpose_add<T, W>(u)));
+}
+
 /// Number of leading elements of an n-element row that full batches cover.
 template <class T>
 inline index_t full_batches(index_t n) { return n - n % width<T>; }
