@@ -71,18 +71,23 @@
 //                            --threads (mnemo's results do not depend on the thread count).
 //   --export PATH            the model file alone, at the end.
 #include <omp.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <chrono>
 #include <cinttypes>
 #include <cmath>
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
+#include <new>
+#include <stdexcept>
 #include <map>
 #include <optional>
 #include <span>
@@ -97,6 +102,7 @@
 #include <mnemo/train/optimizer.hpp>
 #include <mnemo/train/safetensors.hpp>
 #include <mnemo/train/schedule.hpp>
+#include <mnemo/train/text_data.hpp>
 
 #include "model_zoo.hpp"
 
@@ -107,7 +113,7 @@ using mnemo::token_t;
 namespace ex = mnemo::examples;
 
 constexpr double ln2 = 0.69314718055994530942;
-constexpr const char* state_suffix = ".state.safetensors";
+constexpr const char* state_suffix = mnemo::checkpoint_state_suffix;
 
 template <class... Args>
 [[noreturn]] void fail(Args&&... args) {
@@ -139,12 +145,6 @@ std::string printable(std::string_view s) {
     for (char& c : out)
         if ((static_cast<unsigned char>(c) < 32 && c != '\n') || c == 127) c = '.';
     return out;
-}
-
-std::uint64_t fnv1a(std::string_view s) {
-    std::uint64_t h = 14695981039346656037ull;
-    for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
-    return h;
 }
 
 std::uint64_t splitmix64(std::uint64_t x) {
@@ -349,9 +349,11 @@ public:
         const auto as_is = [](const std::string&, const std::string& v) { return v; };
         return resolve<std::string>(flag, std::move(fallback), k, as_is);
     }
-    std::int64_t integer(const char* flag, std::int64_t fallback, std::int64_t min, kind k = kind::strict) const {
+    std::int64_t integer(const char* flag, std::int64_t fallback, std::int64_t min, kind k = kind::strict,
+                         std::int64_t max = std::numeric_limits<std::int64_t>::max()) const {
         const std::int64_t v = resolve<std::int64_t>(flag, fallback, k, parse_integer);
         if (v < min) fail(flag, " must be at least ", min, ", got ", v);
+        if (v > max) fail(flag, " must be at most ", max, ", got ", v);
         return v;
     }
     template <class V, class Parse>
@@ -405,6 +407,11 @@ private:
     const mnemo::safetensors_metadata* ckpt_;
 };
 
+// Upper bounds of the size flags: far above any real run, low enough that products of them cannot
+// overflow index_t; a run too large for the machine's memory ends with the out-of-memory message.
+constexpr std::int64_t max_extent = std::int64_t(1) << 24, max_batch = std::int64_t(1) << 20, max_layers = 4096,
+                       max_threads = 4096;
+
 settings resolve_settings(const command_line& cl, const mnemo::safetensors_metadata* ckpt) {
     using k = setting_resolver::kind;
     const setting_resolver r(cl, ckpt);
@@ -449,16 +456,16 @@ settings resolve_settings(const command_line& cl, const mnemo::safetensors_metad
     s.d_model = r.integer("--d-model", recall ? 64 : feedback ? 512 : 128, 1);
     s.heads = r.integer("--heads", feedback_text ? 8 : 4, 1);
     s.rate = feedback ? 1 : r.integer("--rate", 2, 1);
-    s.d_ff = r.integer("--d-ff", recall ? 128 : feedback ? 2048 : 256, 1);
-    s.n_layers = r.integer("--layers", recall ? 2 : 6, 1);
+    s.d_ff = r.integer("--d-ff", recall ? 128 : feedback ? 2048 : 256, 1, k::strict, max_extent);
+    s.n_layers = r.integer("--layers", recall ? 2 : 6, 1, k::strict, max_layers);
     for (index_t l : s.memory_layers)
         if (l >= s.n_layers)
             fail("--memory-layers ", ex::format_memory_layers(s.memory_layers), ": layer ", l, " is not one of the ",
                  s.n_layers, " layers (0 … ", s.n_layers - 1, ")");
-    s.n_pos = r.integer("--n-pos", recall ? 64 : 4096, 1);
-    s.seq_len = r.integer("--seq-len", feedback ? (recall ? 64 : 128) : 8, 1);
-    s.mem_len = r.integer("--mem-len", feedback ? 0 : 8, 0);
-    s.c_mem_len = r.integer("--c-mem-len", xl || feedback ? 0 : recall ? 16 : 128, 0);
+    s.n_pos = r.integer("--n-pos", recall ? 64 : 4096, 1, k::strict, max_extent);
+    s.seq_len = r.integer("--seq-len", feedback ? (recall ? 64 : 128) : 8, 1, k::strict, max_extent);
+    s.mem_len = r.integer("--mem-len", feedback ? 0 : 8, 0, k::strict, max_extent);
+    s.c_mem_len = r.integer("--c-mem-len", xl || feedback ? 0 : recall ? 16 : 128, 0, k::strict, max_extent);
     if (xl && s.c_mem_len != 0)
         fail("--model xl is Transformer-XL: it has no compressed memory, so --c-mem-len must be 0");
     if (feedback)
@@ -466,8 +473,8 @@ settings resolve_settings(const command_line& cl, const mnemo::safetensors_metad
             if (v != 0)
                 fail("--model ", ex::name(s.model), " carries no memory between segments (each starts from an ",
                      "empty memory): ", flag, " must be 0 or left out, got ", v);
-    s.batch = r.integer("--batch", feedback_text ? 64 : 32, 1);
-    s.clamp_len = r.integer("--clamp-len", 0, 0, k::recipe);
+    s.batch = r.integer("--batch", feedback_text ? 64 : 32, 1, k::strict, max_batch);
+    s.clamp_len = r.integer("--clamp-len", 0, 0, k::recipe, max_extent);
     if (feedback && s.clamp_len != 0) fail("--clamp-len is for the compressive and xl models");
     // Fail now, before any data is read, if (d_model, heads, rate) is not compiled in.
     ex::with_model(s.d_model, s.heads, s.rate, s.model, s.compression, []<class Model>() { return 0; });
@@ -496,21 +503,23 @@ settings resolve_settings(const command_line& cl, const mnemo::safetensors_metad
              "); use --schedule constant for such a short run");
 
     // This run only (never saved).
-    const auto run_int = [&](const char* flag, std::int64_t fallback, std::int64_t min) {
+    const auto run_int = [&](const char* flag, std::int64_t fallback, std::int64_t min,
+                             std::int64_t max = std::numeric_limits<std::int64_t>::max()) {
         const std::int64_t v = cl.has(flag) ? parse_integer(flag, cl.given.at(flag)) : fallback;
         if (v < min) fail(flag, " must be at least ", min, ", got ", v);
+        if (v > max) fail(flag, " must be at most ", max, ", got ", v);
         return v;
     };
     s.eval_every = run_int("--eval-every", recall ? 1000 : 500, 0);
     // 0 means one pass over the validation text; the recall streams never end, so they need a count.
     s.eval_segments = run_int("--eval-segments", recall ? 128 : 100, recall ? 1 : 0);
     s.log_every = run_int("--log-every", recall ? 500 : 100, 1);
-    s.sample_len = run_int("--sample-len", recall ? 40 : 200, 0);
-    s.eval_sample = run_int("--eval-sample", 0, 0);
+    s.sample_len = run_int("--sample-len", recall ? 40 : 200, 0, max_extent);
+    s.eval_sample = run_int("--eval-sample", 0, 0, max_extent);
     s.save_every = run_int("--save-every", 0, 0);
     s.stop_at = run_int("--stop-at", 0, 0);
-    s.eval_mem_len = run_int("--eval-mem-len", s.mem_len, 0);
-    s.eval_c_mem_len = run_int("--eval-c-mem-len", s.c_mem_len, 0);
+    s.eval_mem_len = run_int("--eval-mem-len", s.mem_len, 0, max_extent);
+    s.eval_c_mem_len = run_int("--eval-c-mem-len", s.c_mem_len, 0, max_extent);
     if ((feedback || xl) && s.eval_c_mem_len != 0)
         fail("--eval-c-mem-len must be 0 for --model ", ex::name(s.model), ", got ", s.eval_c_mem_len);
     if (feedback && s.eval_mem_len != 0)
@@ -520,7 +529,7 @@ settings resolve_settings(const command_line& cl, const mnemo::safetensors_metad
              " exceeds n_pos = ", s.n_pos, " (the positional tables); shorten the validation memory");
     if (!feedback && s.eval_c_mem_len > 0 && s.eval_mem_len < s.rate - 1)
         fail("--eval-mem-len ", s.eval_mem_len, " is too short for --rate ", s.rate, ": it must be at least rate − 1");
-    s.threads = int(run_int("--threads", omp_get_num_procs(), 1));
+    s.threads = int(run_int("--threads", omp_get_num_procs(), 1, max_threads));
     if (cl.has("--temperature")) s.temperature = parse_real("--temperature", cl.given.at("--temperature"));
     if (s.temperature < 0) fail("--temperature must be >= 0, got ", s.temperature);
     if (cl.has("--prompt")) s.prompt = cl.given.at("--prompt");
@@ -587,52 +596,7 @@ mnemo::safetensors_metadata settings_metadata(const settings& s) {
 // Vocabulary and data
 // ---------------------------------------------------------------------------------------------
 
-/// Sorted distinct bytes; token id = index.
-struct vocabulary {
-    std::vector<std::uint8_t> bytes;
-    std::array<token_t, 256> ids{};
-
-    static vocabulary of_bytes(std::vector<std::uint8_t> b) {
-        std::sort(b.begin(), b.end());
-        b.erase(std::unique(b.begin(), b.end()), b.end());
-        vocabulary v;
-        v.bytes = std::move(b);
-        v.ids.fill(-1);
-        for (std::size_t i = 0; i < v.bytes.size(); ++i) v.ids[v.bytes[i]] = token_t(i);
-        return v;
-    }
-    static vocabulary of_text(std::string_view text) {
-        std::array<bool, 256> seen{};
-        for (unsigned char c : text) seen[c] = true;
-        std::vector<std::uint8_t> b;
-        for (int c = 0; c < 256; ++c)
-            if (seen[std::size_t(c)]) b.push_back(std::uint8_t(c));
-        return of_bytes(std::move(b));
-    }
-    index_t size() const { return index_t(bytes.size()); }
-    token_t id(char c) const { return ids[static_cast<unsigned char>(c)]; }
-    char byte(token_t t) const { return static_cast<char>(bytes[std::size_t(t)]); }
-
-    std::vector<token_t> encode(std::string_view text, const char* what) const {
-        std::vector<token_t> out(text.size());
-        for (std::size_t i = 0; i < text.size(); ++i) {
-            out[i] = id(text[i]);
-            if (out[i] < 0)
-                fail(what, " has the byte 0x", hex_byte(static_cast<unsigned char>(text[i])), " at offset ", i,
-                     ", which is not in the model's vocabulary");
-        }
-        return out;
-    }
-    std::string hex() const {
-        std::string s;
-        for (std::uint8_t b : bytes) s += hex_byte(b);
-        return s;
-    }
-    static std::string hex_byte(unsigned char b) {
-        const char* d = "0123456789abcdef";
-        return {d[b >> 4], d[b & 15]};
-    }
-};
+using vocabulary = mnemo::byte_vocabulary;  // sorted distinct bytes; token id = index
 
 /// The built-in recall task (see the top of the file). Tokens are pure functions of (stream key,
 /// position), so a stream needs no state beyond its position.
@@ -680,31 +644,18 @@ struct corpus {
 };
 
 corpus load_text_corpus(const std::string& path) {
-    std::error_code ec;
-    if (!std::filesystem::exists(path, ec)) fail("data file '", path, "' does not exist");
-    if (std::filesystem::is_directory(path, ec)) fail("data file '", path, "' is a directory");
-    std::ifstream in(path, std::ios::binary);
-    if (!in.good()) fail("cannot open data file '", path, "'");
-    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    if (in.bad()) fail("cannot read data file '", path, "'");
-    if (text.empty()) fail("data file '", path, "' is empty");
+    mnemo::text_corpus t = mnemo::read_text_corpus(path);
     corpus c;
     c.task = task_kind::text;
-    c.vocab = vocabulary::of_text(text);
-    const std::size_t split = text.size() * 9 / 10;
-    c.train = c.vocab.encode(std::string_view(text).substr(0, split), "the data");
-    c.valid = c.vocab.encode(std::string_view(text).substr(split), "the data");
-    // The default prompt: 64 bytes of validation text from its first line start (not mid-word).
-    const std::size_t line = text.find('\n', split);
-    const bool line_start = line != std::string::npos && line + 1 < std::min(split + 64, text.size());
-    c.valid_text = text.substr(line_start ? line + 1 : split, 64);
+    c.vocab = std::move(t.vocab);
+    c.train = std::move(t.train);
+    c.valid = std::move(t.valid);
+    c.valid_text = std::move(t.valid_start);
+    c.fingerprint = std::move(t.fingerprint);
     char b[160];
-    std::snprintf(b, sizeof b, "%s: %zu bytes (%zu training, %zu validation), vocabulary %zu", path.c_str(),
-                  text.size(), split, text.size() - split, c.vocab.bytes.size());
+    std::snprintf(b, sizeof b, "%s: %zu bytes (%zu training, %zu validation), vocabulary %zu", path.c_str(), t.bytes,
+                  t.split, t.bytes - t.split, c.vocab.bytes.size());
     c.description = b;
-    char f[64];
-    std::snprintf(f, sizeof f, "%zu:%016" PRIx64, text.size(), fnv1a(text));
-    c.fingerprint = f;
     return c;
 }
 
@@ -1084,10 +1035,12 @@ void save_checkpoint(const std::string& path, Model& model, const settings& s, c
     meta["data_fingerprint"] = c.fingerprint;
     const auto& ps = model.parameters();
 
-    // The model file: what mnemo_eval and tools/reference_eval.py read.
-    mnemo::save_parameters(path, ps, mnemo::dtype::f32, meta);
-
-    mnemo::safetensors_writer w(path + state_suffix);
+    // The model file (what mnemo_eval and tools/reference_eval.py read) and the state file, written as
+    // one: a crash at any instant leaves the previous pair or this one (mnemo/train/checkpoint.hpp).
+    mnemo::checkpoint_writer cw(path);
+    mnemo::add_parameter_buffer(cw.model(), ps, ps.values(), "");
+    cw.model().set_metadata(meta);
+    mnemo::safetensors_writer& w = cw.state();
     auto& opt = st.optimizer.state();
     mnemo::add_parameter_buffer(w, ps, opt.exp_avg().data(), "optimizer.exp_avg.");
     mnemo::add_parameter_buffer(w, ps, opt.exp_avg_sq().data(), "optimizer.exp_avg_sq.");
@@ -1108,7 +1061,7 @@ void save_checkpoint(const std::string& path, Model& model, const settings& s, c
         }
     }
     w.set_metadata(meta);
-    w.commit();
+    cw.commit();
 }
 
 /// A checkpoint read for resuming: the model file and the state file.
@@ -1120,50 +1073,25 @@ checkpoint_files read_checkpoint(const std::string& path) {
     std::error_code ec;
     if (!std::filesystem::exists(path, ec)) fail("--resume: checkpoint '", path, "' does not exist");
     const std::string state_path = path + state_suffix;
+    switch (mnemo::recover_checkpoint(path)) {  // a save that a crash interrupted
+        case mnemo::checkpoint_recovery::rolled_forward:
+            std::printf("--resume: completed the save of '%s' that was interrupted\n", path.c_str());
+            break;
+        case mnemo::checkpoint_recovery::discarded:
+            std::printf("--resume: removed the unfinished save of '%s'; the previous checkpoint is intact\n",
+                        path.c_str());
+            break;
+        case mnemo::checkpoint_recovery::none: break;
+    }
     if (!std::filesystem::exists(state_path, ec))
         fail("--resume: '", state_path, "' (the trainer state saved with '", path,
              "') does not exist; a model-only file (from --export) cannot be resumed");
     checkpoint_files f{mnemo::read_safetensors(path), mnemo::read_safetensors(state_path)};
-    const auto& m = f.model.metadata();
     const auto& st = f.state.metadata();
     if (!st.contains("format") || st.at("format") != "mnemo-train-1")
         fail("--resume: '", state_path, "' is not a train state file (no format mnemo-train-1 in its metadata)");
-    if (!m.contains("step") || m.at("step") != st.at("step"))
-        fail("--resume: '", path, "' is at step ", m.contains("step") ? m.at("step") : "?", " but '", state_path,
-             "' at step ", st.at("step"), " (a save was interrupted?)");
+    mnemo::check_checkpoint_pair(f.model, f.state);
     return f;
-}
-
-/// The compressive / XL memory of a checkpoint's state file: [slots, batch, d_model] per memory layer
-/// (memory.<layer>.*), slot counts from the shapes; most-used compression also reads each row's usage.
-template <class Model, class Memory>
-void restore_memory(const checkpoint_files& f, const settings& s, const Model& model, Memory& memory) {
-    const auto slots = [&](const std::string& name) {
-        const auto& t = f.state.at(name);
-        if (t.shape.size() != 3 || t.shape[1] != s.batch || t.shape[2] != s.d_model)
-            fail("--resume: '", name, "' has shape ", mnemo::shape_string(t.shape), ", expected [slots, ", s.batch,
-                 ", ", s.d_model, "]");
-        return index_t(t.shape[0]);
-    };
-    const std::string first = "memory." + std::to_string(model.memory_layer(0));
-    const index_t mem_slots = slots(first + ".mem"), c_mem_slots = slots(first + ".c_mem");
-    memory.resize(mem_slots, c_mem_slots);
-    for (index_t slot = 0; slot < model.n_memory_layers(); ++slot) {
-        const index_t l = model.memory_layer(slot);
-        const std::string p = "memory." + std::to_string(l);
-        if (slots(p + ".mem") != mem_slots || slots(p + ".c_mem") != c_mem_slots)
-            fail("--resume: layer ", l, "'s memory holds a different number of slots than layer ",
-                 model.memory_layer(0), "'s");
-        f.state.copy_to(p + ".mem", memory.mem_data(slot), std::size_t(mem_slots * s.batch * s.d_model));
-        f.state.copy_to(p + ".c_mem", memory.c_mem_data(slot), std::size_t(c_mem_slots * s.batch * s.d_model));
-        if constexpr (Model::needs_usage) {
-            const auto& t = f.state.at(p + ".usage");
-            if (t.shape != std::vector<std::int64_t>{mem_slots, s.batch})
-                fail("--resume: '", p, ".usage' has shape ", mnemo::shape_string(t.shape), ", expected [", mem_slots,
-                     ", ", s.batch, "]");
-            f.state.copy_to(p + ".usage", memory.usage_data(slot), std::size_t(mem_slots * s.batch));
-        }
-    }
 }
 
 template <class Model>
@@ -1171,28 +1099,27 @@ void restore_checkpoint(const checkpoint_files& f, Model& model, const settings&
     auto& ps = model.parameters();
     mnemo::load_parameters(f.model, ps);  // strict: every tensor, the model's shapes
 
-    const auto step = f.state.to_vector<std::int64_t>("trainer.step");
+    const std::int64_t step = mnemo::read_state_count(f.state, "trainer.step");
     std::vector<float> m(std::size_t(ps.size()), 0.0f), v(std::size_t(ps.size()), 0.0f);
     mnemo::read_parameter_buffer(f.state, ps, m.data(), "optimizer.exp_avg.");
     mnemo::read_parameter_buffer(f.state, ps, v.data(), "optimizer.exp_avg_sq.");
-    if (step.size() != 1 || step[0] < 0) fail("--resume: trainer.step must hold one non-negative step");
-    st.optimizer.state().set_state(step[0], m, v);
+    st.optimizer.state().set_state(step, m, v);
 
     st.train.set_offsets(f.state.to_vector<std::int64_t>("trainer.data_position"));
-    const auto sample_offset = f.state.to_vector<std::int64_t>("trainer.sample_rng");
-    if (sample_offset.size() != 1 || sample_offset[0] < 0) fail("--resume: trainer.sample_rng must hold one offset");
-    st.sample_rng.set_state(st.sample_rng.seed(), std::uint64_t(sample_offset[0]));
+    const std::int64_t sample_offset = mnemo::read_state_count(f.state, "trainer.sample_rng");
+    st.sample_rng.set_state(st.sample_rng.seed(), std::uint64_t(sample_offset));
 
     st.memory.reset(s.batch, s.seq_len);
-    if constexpr (!ex::is_feedback_model<Model>) restore_memory(f, s, model, st.memory);
+    if constexpr (!ex::is_feedback_model<Model>) {  // the memory layers, in the memory's slot order
+        std::vector<index_t> layers;
+        for (index_t slot = 0; slot < model.n_memory_layers(); ++slot) layers.push_back(model.memory_layer(slot));
+        mnemo::read_state_memory(f.state, layers, s.batch, s.d_model, st.memory);
+    }
 }
 
 /// The checkpoint's vocabulary (trainer.vocab), and a check that the data is the one it was trained on.
 vocabulary checkpoint_vocabulary(const checkpoint_files& f) {
-    const auto v = f.state.to_vector<std::int64_t>("trainer.vocab");
-    std::vector<std::uint8_t> b;
-    for (std::int64_t x : v) b.push_back(std::uint8_t(x));
-    return vocabulary::of_bytes(b);
+    return vocabulary::of_bytes(mnemo::read_state_bytes(f.state, "trainer.vocab"));
 }
 
 void check_data_matches(const corpus& c, const checkpoint_files& f) {
@@ -1291,8 +1218,10 @@ run_result train_model(const settings& s, const corpus& c, const checkpoint_file
         if (s.eval_sample > 0) print_sample("sample (greedy)", s.eval_sample, 0.0);
         return v;
     };
+    std::int64_t last_saved = resume ? optimizer.step_count() : -1;  // the step of the checkpoint on disk
     const auto save = [&](const std::string& why) {
         save_checkpoint(s.checkpoint, model, s, c, st);
+        last_saved = optimizer.step_count();
         std::printf("saved %s and %s%s (%s, step %" PRId64 ")\n", s.checkpoint.c_str(), s.checkpoint.c_str(),
                     state_suffix, why.c_str(), optimizer.step_count());
         std::fflush(stdout);
@@ -1311,6 +1240,18 @@ run_result train_model(const settings& s, const corpus& c, const checkpoint_file
         ps.zero_grad();
         const mnemo::segment_losses l = run_segment(model, inputs, targets, s.batch, memory, /*train=*/true);
         const double norm = s.clip > 0 ? mnemo::clip_grad_norm(ps, s.clip) : mnemo::grad_norm(ps);
+        // A NaN or infinity stops the run before the optimizer step would spread it into the parameters;
+        // the last checkpoint on disk is the last good one.
+        if (!std::isfinite(l.ce) || !std::isfinite(l.ar) || !std::isfinite(norm)) {
+            const bool ce_bad = !std::isfinite(l.ce), ar_bad = !ce_bad && !std::isfinite(l.ar);
+            fail("step ", step + 1, ": ",
+                 ce_bad ? "the loss" : ar_bad ? "the reconstruction loss" : "the gradient norm", " is ",
+                 format_double(ce_bad ? l.ce : ar_bad ? l.ar : norm), "; stopped before the optimizer step (",
+                 last_saved < 0 ? std::string("nothing was saved") :
+                                  "the last checkpoint, '" + s.checkpoint + "' at step " + std::to_string(last_saved) +
+                                      ", is kept",
+                 "; a lower --lr or a --clip may help)");
+        }
         const double lr = optimizer.lr();
         optimizer.step(ps, lr);
         const double step_seconds = seconds_since(t_step);
@@ -1371,7 +1312,23 @@ run_result run(const settings& s, const corpus& c, const checkpoint_files* resum
 
 }  // namespace
 
+/// Fails now, not after hours of training, where `flag`'s output file cannot be written: its directory
+/// must exist and be writable, and the path must not be a directory.
+void check_writable(const char* flag, const std::string& path) {
+    if (path.empty()) return;
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    if (fs::is_directory(path, ec)) fail(flag, ": '", path, "' is a directory; give a file name");
+    fs::path dir = fs::path(path).parent_path();
+    if (dir.empty()) dir = ".";
+    if (!fs::is_directory(dir, ec)) fail(flag, ": cannot write '", path, "': the directory '", dir.string(), "' does not exist");
+    if (::access(dir.c_str(), W_OK | X_OK) != 0)
+        fail(flag, ": cannot write '", path, "': the directory '", dir.string(), "' is not writable");
+}
+
 int main(int argc, char** argv) try {
+    // A file-size limit (ulimit -f) then fails a save with EFBIG, reported by name, instead of killing us.
+    std::signal(SIGXFSZ, SIG_IGN);
     const command_line cl = parse_command_line(argc, argv);
     if (cl.help) {
         std::fputs(usage_text, stdout);
@@ -1380,6 +1337,8 @@ int main(int argc, char** argv) try {
     std::optional<checkpoint_files> resume;
     if (cl.has("--resume")) resume = read_checkpoint(cl.given.at("--resume"));
     const settings s = resolve_settings(cl, resume ? &resume->state.metadata() : nullptr);
+    check_writable("--checkpoint", s.checkpoint);
+    check_writable("--export", s.export_path);
     omp_set_num_threads(s.threads);
 
     corpus c = s.task == task_kind::text ? load_text_corpus(s.data) : make_recall_corpus(s.seed);
@@ -1412,6 +1371,14 @@ int main(int argc, char** argv) try {
     std::printf("validation loss: compressive %.4f, transformer-xl %.4f bits/char\n", comp.final.ce / ln2,
                 plain.final.ce / ln2);
     return 0;
+} catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "mnemo: train: out of memory: the model, --batch or the memory lengths are too large for "
+                         "this machine\n");
+    return 1;
+} catch (const std::length_error&) {
+    std::fprintf(stderr, "mnemo: train: out of memory: the model, --batch or the memory lengths are too large for "
+                         "this machine\n");
+    return 1;
 } catch (const std::exception& e) {
     std::fprintf(stderr, "%s\n", e.what());
     return 1;

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# The README's test command: install what is missing, configure, build everything, run the suite.
-#   tools/test.sh [build-dir]       (default: build)
+# The README's test command: install what is missing, configure, build everything, run the suite;
+# then the suite again under ASan + UBSan (tools/sanitize.sh) and a short run of each fuzz harness
+# (tools/fuzz.sh, 15 s each).
+#   tools/test.sh [build-dir]       (default: build; the sanitizer build goes to <build-dir>-asan)
+#   MNEMO_TEST_QUICK=1 tools/test.sh   the suite alone (no sanitizer build, no fuzzing)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
@@ -13,3 +16,12 @@ coverage=$(cat "$build/isa_coverage.txt" 2>/dev/null || echo "SIMD paths tested:
 echo "test.sh: $coverage"
 trap 'echo "test.sh: $coverage"' EXIT
 ctest --test-dir "$build" --output-on-failure -j "$jobs"
+if [ "${MNEMO_TEST_QUICK:-0}" = 1 ]; then exit 0; fi
+echo "test.sh: the suite under AddressSanitizer + UndefinedBehaviorSanitizer"
+t0=$SECONDS
+tools/sanitize.sh "$build-asan"
+echo "test.sh: sanitizer build and run: $((SECONDS - t0)) s"
+echo "test.sh: fuzzing each reader for 15 s (tools/fuzz.sh; the long run is in the README)"
+t0=$SECONDS
+tools/fuzz.sh --seconds 15 --build "$build-fuzz" --train "$build/examples/train"
+echo "test.sh: fuzzing: $((SECONDS - t0)) s"

@@ -240,6 +240,24 @@ namespace detail {
 
 inline std::string errno_text(int e) { return std::generic_category().message(e); }
 
+/// fsync of the directory holding `file`, so that a rename into it is durable.
+inline void sync_directory_of(const std::string& file) {
+    std::filesystem::path dir = std::filesystem::path(file).parent_path();
+    if (dir.empty()) dir = ".";
+    const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0) {
+        const int e = errno;
+        fail("cannot open the directory '", dir.string(), "' of '", file, "' to make a rename durable: ",
+             errno_text(e));
+    }
+    const int rc = ::fsync(dfd);
+    const int e = errno;
+    ::close(dfd);
+    // EINVAL: the file system cannot sync directories; there is nothing more to do.
+    if (rc != 0 && e != EINVAL)
+        fail("fsync of the directory '", dir.string(), "' of '", file, "' failed: ", errno_text(e));
+}
+
 template <class U>
 inline U byteswap_unsigned(U u) {
     U r = 0;
@@ -633,7 +651,7 @@ private:
         if (begin > end) bad("data_offsets [", begin, ", ", end, "] have begin > end");
         if (end > data_size)
             bad("data_offsets [", begin, ", ", end, "] are out of range of the data section, which has ", data_size,
-                " bytes");
+                " bytes (is the file truncated?)");
         if (end - begin != *nbytes)
             bad("dtype ", dtype_name(t.type), " and shape ", shape_string(t.shape), " need ", *nbytes,
                 " bytes, but data_offsets [", begin, ", ", end, "] hold ", end - begin,
@@ -827,22 +845,7 @@ public:
         }
         guard.armed = false;  // the temporary file is now the checkpoint
 
-        // Make the rename itself durable.
-        std::filesystem::path dir = std::filesystem::path(path_).parent_path();
-        if (dir.empty()) dir = ".";
-        const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-        if (dfd < 0) {
-            const int e = errno;
-            detail::fail("safetensors: wrote '", path_, "' but cannot open its directory '", dir.string(),
-                         "' to make the rename durable: ", detail::errno_text(e));
-        }
-        const int rc = ::fsync(dfd);
-        const int e = errno;
-        ::close(dfd);
-        // EINVAL: the file system cannot sync directories; there is nothing more to do.
-        if (rc != 0 && e != EINVAL)
-            detail::fail("safetensors: wrote '", path_, "' but fsync of its directory '", dir.string(),
-                         "' failed: ", detail::errno_text(e));
+        detail::sync_directory_of(path_);  // makes the rename itself durable
     }
 
 private:
