@@ -6,18 +6,19 @@
 // window opened by count_allocations is open. Used by the steady-state "no allocation" tests.
 // The replacements forward to glibc's __libc_* entry points.
 //
-// Under AddressSanitizer (tools/sanitize.sh) nothing is replaced: ASan's allocator must see every
-// allocation. count_allocations then runs f() (so the code still runs under ASan) and returns 0,
-// saying once on stderr that the counts are checked by the normal build only.
+// Under AddressSanitizer (tools/sanitize.sh) or ThreadSanitizer (tools/tsan.sh) nothing is replaced:
+// the sanitizer's allocator must see every allocation. count_allocations then runs f() (so the code
+// still runs under the sanitizer) and returns 0, saying once on stderr that the normal build checks
+// the counts.
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <new>
 
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 #define MNEMO_TEST_COUNT_ALLOCATIONS 0
 #elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
 #define MNEMO_TEST_COUNT_ALLOCATIONS 0
 #endif
 #endif
@@ -31,7 +32,7 @@
 #endif
 
 namespace mnemo::testing {
-/// False under AddressSanitizer: count_allocations then returns 0 (see the top of this file), and
+/// False under AddressSanitizer or ThreadSanitizer: count_allocations then returns 0 (see the top of this file), and
 /// the checks that the counter itself works are skipped.
 inline constexpr bool allocations_counted = MNEMO_TEST_COUNT_ALLOCATIONS != 0;
 inline std::atomic<bool> counting_allocations{false};
@@ -46,7 +47,7 @@ template <class F>
 long count_allocations(F&& f) {
 #if !MNEMO_TEST_COUNT_ALLOCATIONS
     static bool said = false;
-    if (!said) std::fputs("allocation_counter: not counted under AddressSanitizer (the normal build checks it)\n", stderr);
+    if (!said) std::fputs("allocation_counter: not counted under a sanitizer (the normal build checks it)\n", stderr);
     said = true;
     f();
     return 0;

@@ -122,7 +122,8 @@ void check_heads(std::uint64_t seed) {
     const auto y = mnemo::testing::random_vector<T>(rows * ldy, seed + 1);
     const T sentinel = T(-777);
     const double tol = sizeof(T) == 4 ? 1e-6 : 1e-14;
-    for (auto [r0, r1] : {std::pair<index_t, index_t>{0, rows}, {0, 1}, {5, 6}, {3, 40}, {16, 45}, {8, 24}}) {
+    for (const auto& range : {std::pair<index_t, index_t>{0, rows}, {0, 1}, {5, 6}, {3, 40}, {16, 45}, {8, 24}}) {
+        const index_t r0 = range.first, r1 = range.second;  // not structured bindings: lambdas below (clang 14)
         const index_t lds = rows + 2;
         std::vector<T> s(std::size_t(heads * lds), sentinel);
         K::heads_dot_rows<Dk>(heads, r0, r1, x.data(), y.data(), ldy, s.data(), lds);
@@ -146,7 +147,8 @@ void check_heads(std::uint64_t seed) {
     const index_t lda = rows + 3;
     const auto a = mnemo::testing::random_vector<T>(heads * lda, seed + 2);
     for (index_t n : {1, 3, 4, 5, 8, 45})
-        for (auto [h0, h1] : {std::pair<index_t, index_t>{0, heads}, {1, 2}, {1, 3}}) {
+        for (const auto& hr : {std::pair<index_t, index_t>{0, heads}, {1, 2}, {1, 3}}) {
+            const index_t h0 = hr.first, h1 = hr.second;
             std::vector<T> o(std::size_t(heads * Dk), sentinel);
             K::heads_weighted_rows<Dk>(h0, h1, n, a.data(), lda, y.data(), ldy, o.data());
             double worst = 0;

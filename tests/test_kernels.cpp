@@ -126,8 +126,9 @@ TEST_CASE("gemm: one- and two-row products (GEMVs) are bitwise the same on 1, 2 
         index_t m, n, k;
     };
     const int saved = omp_get_max_threads();
-    for (auto [m, n, k] : {shape{1, 256, 256}, shape{1, 512, 256}, shape{1, 1024, 256}, shape{2, 2048, 512}, shape{1, 1000, 700},
-                           shape{1, 4100, 64}, shape{2, 300, 1024}, shape{1, 129, 2048}}) {
+    for (const shape& sh : {shape{1, 256, 256}, shape{1, 512, 256}, shape{1, 1024, 256}, shape{2, 2048, 512},
+                            shape{1, 1000, 700}, shape{1, 4100, 64}, shape{2, 300, 1024}, shape{1, 129, 2048}}) {
+        const index_t m = sh.m, n = sh.n, k = sh.k;  // not a structured binding: CAPTURE's lambda (clang 14)
         REQUIRE(n * k >= K::gemv_parallel_min);
         // Operands at odd offsets, with row strides wider than the rows.
         const index_t lda = k + 3, ldb_nt = k + 5, ldb_nn = n + 7, ldc = n + 1;
