@@ -1371,15 +1371,12 @@ int main(int argc, char** argv) try {
     std::printf("validation loss: compressive %.4f, transformer-xl %.4f bits/char\n", comp.final.ce / ln2,
                 plain.final.ce / ln2);
     return 0;
-} catch (const std::bad_alloc&) {
-    std::fprintf(stderr, "mnemo: train: out of memory: the model, --batch or the memory lengths are too large for "
-                         "this machine\n");
-    return 1;
-} catch (const std::length_error&) {
-    std::fprintf(stderr, "mnemo: train: out of memory: the model, --batch or the memory lengths are too large for "
-                         "this machine\n");
-    return 1;
 } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s\n", e.what());
+    // std::bad_alloc and std::length_error (a vector past max_size) both mean: too big for this machine.
+    const bool out_of_memory = dynamic_cast<const std::bad_alloc*>(&e) || dynamic_cast<const std::length_error*>(&e);
+    std::fprintf(stderr, "%s\n",
+                 out_of_memory ? "mnemo: train: out of memory: the model, --batch or the memory lengths are too large "
+                                 "for this machine"
+                               : e.what());
     return 1;
 }

@@ -13,22 +13,14 @@
 
 #include <mnemo/train/checkpoint.hpp>
 
+#include "testing.hpp"
+
 namespace fs = std::filesystem;
 
 namespace {
 
-struct scratch_dir {
-    fs::path dir;
-    scratch_dir() {
-        dir = fs::temp_directory_path() / ("mnemo_test_checkpoint_" + std::to_string(::getpid()));
-        fs::remove_all(dir);
-        fs::create_directories(dir);
-    }
-    ~scratch_dir() {
-        std::error_code ec;
-        fs::remove_all(dir, ec);
-    }
-    std::string file(const std::string& name) const { return (dir / name).string(); }
+struct scratch_dir : mnemo::testing::temp_dir {
+    scratch_dir() : mnemo::testing::temp_dir("checkpoint") {}
 };
 
 std::vector<float> values_of(int step, std::size_t n = 64) {
@@ -58,6 +50,13 @@ void write_state(const std::string& file, int step, const std::string& model_fil
         .set_metadata("step", std::to_string(step))
         .set_metadata("model_fnv1a64", mnemo::file_fnv1a64(model_file))
         .commit();
+}
+
+/// What a save of `step` killed after its commit point leaves: both pending files.
+void write_pending_pair(const std::string& path, int step) {
+    const std::string model_pending = path + ".pending";
+    write_model(model_pending, step);
+    write_state(mnemo::checkpoint_state_path(path) + ".pending", step, model_pending);
 }
 
 /// The pair on disk: both files read, checked as a pair, and at `step`.
@@ -95,8 +94,7 @@ TEST_CASE("checkpoint: a save writes both files and leaves nothing pending") {
 
 TEST_CASE("checkpoint: every instant a save can be killed at leaves the previous pair or the new one") {
     scratch_dir d;
-    const std::string path = d.file("ck.safetensors"), state = mnemo::checkpoint_state_path(path);
-    const std::string model_pending = path + ".pending", state_pending = state + ".pending";
+    const std::string path = d.file("ck.safetensors"), model_pending = path + ".pending";
 
     SUBCASE("killed while writing the new model: the old pair stays") {
         save(path, 1);
@@ -106,15 +104,13 @@ TEST_CASE("checkpoint: every instant a save can be killed at leaves the previous
     }
     SUBCASE("killed after both pending files: the save is completed") {
         save(path, 1);
-        write_model(model_pending, 2);
-        write_state(state_pending, 2, model_pending);
+        write_pending_pair(path, 2);
         CHECK(mnemo::recover_checkpoint(path) == mnemo::checkpoint_recovery::rolled_forward);
         check_pair_at(path, 2);
     }
     SUBCASE("killed between the two renames: the state's rename is completed") {
         save(path, 1);
-        write_model(model_pending, 2);
-        write_state(state_pending, 2, model_pending);
+        write_pending_pair(path, 2);
         fs::rename(model_pending, path);
         CHECK(mnemo::recover_checkpoint(path) == mnemo::checkpoint_recovery::rolled_forward);
         check_pair_at(path, 2);
@@ -127,8 +123,7 @@ TEST_CASE("checkpoint: every instant a save can be killed at leaves the previous
     }
     SUBCASE("a save after a killed one does not mix the two") {
         save(path, 1);
-        write_model(model_pending, 2);
-        write_state(state_pending, 2, model_pending);
+        write_pending_pair(path, 2);
         save(path, 3);  // recovers the pending pair of step 2 first, then writes step 3
         check_pair_at(path, 3);
     }
@@ -198,7 +193,7 @@ TEST_CASE("checkpoint: a file-size limit during a save is an error naming the fi
     CHECK(msg.find("ck.safetensors") != std::string::npos);
     CHECK(msg.find("File too large") != std::string::npos);
     check_pair_at(path, 1);
-    for (const auto& e : fs::directory_iterator(d.dir)) {
+    for (const auto& e : fs::directory_iterator(d.path)) {
         INFO(e.path().string());
         CHECK(e.path().filename().string().find(".tmp.") == std::string::npos);
     }

@@ -18,6 +18,7 @@
 #include "mnemo/core/json.hpp"
 #include "mnemo/core/parameters.hpp"
 #include "mnemo/core/rng.hpp"
+#include "testing.hpp"
 #include "mnemo/train/safetensors.hpp"
 
 namespace fs = std::filesystem;
@@ -25,27 +26,9 @@ namespace fs = std::filesystem;
 namespace {
 
 // A fresh directory under the system temp directory, removed with everything in it.
-struct temp_dir {
-    fs::path path;
-    temp_dir() {
-        static std::atomic<int> counter{0};
-        path = fs::temp_directory_path() /
-               ("mnemo_test_safetensors_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-        fs::remove_all(path);
-        fs::create_directories(path);
-    }
-    ~temp_dir() {
-        std::error_code ec;
-        fs::remove_all(path, ec);
-    }
-    std::string file(const std::string& name) const { return (path / name).string(); }
-    // Names of the entries in the directory, sorted.
-    std::vector<std::string> listing() const {
-        std::vector<std::string> names;
-        for (const auto& e : fs::directory_iterator(path)) names.push_back(e.path().filename().string());
-        std::sort(names.begin(), names.end());
-        return names;
-    }
+// A scratch directory for this file's tests.
+struct temp_dir : mnemo::testing::temp_dir {
+    temp_dir() : mnemo::testing::temp_dir("safetensors") {}
 };
 
 std::vector<std::uint8_t> read_bytes(const std::string& path) {

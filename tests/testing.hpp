@@ -1,16 +1,49 @@
 #pragma once
-// Shared test helpers: seeded random data, tolerant comparison that reports the worst element.
+// Shared test helpers: seeded random data, tolerant comparison that reports the worst element, a
+// scratch directory.
 #include <doctest/doctest.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include <mnemo/core/rng.hpp>
 #include <mnemo/core/shape.hpp>
 
 namespace mnemo::testing {
+
+/// A fresh directory under the system temp directory (named after `what`, the process and a counter),
+/// removed with everything in it.
+struct temp_dir {
+    std::filesystem::path path;
+    explicit temp_dir(const std::string& what) {
+        static std::atomic<int> counter{0};
+        path = std::filesystem::temp_directory_path() /
+               ("mnemo_test_" + what + "_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
+        std::filesystem::remove_all(path);
+        std::filesystem::create_directories(path);
+    }
+    temp_dir(const temp_dir&) = delete;
+    temp_dir& operator=(const temp_dir&) = delete;
+    ~temp_dir() {
+        std::error_code ec;
+        std::filesystem::remove_all(path, ec);
+    }
+    std::string file(const std::string& name) const { return (path / name).string(); }
+    /// Names of the entries in the directory, sorted.
+    std::vector<std::string> listing() const {
+        std::vector<std::string> names;
+        for (const auto& e : std::filesystem::directory_iterator(path)) names.push_back(e.path().filename().string());
+        std::sort(names.begin(), names.end());
+        return names;
+    }
+};
 
 template <class T>
 std::vector<T> random_vector(index_t n, std::uint64_t seed, double lo = -1.0, double hi = 1.0) {
