@@ -407,8 +407,15 @@ private:
                 continue;
             }
             if (c != '\\') {
-                out += static_cast<char>(c);
-                ++pos_;
+                // A run of plain printable ASCII is appended in one piece.
+                std::size_t end = pos_ + 1;
+                while (end < s_.size()) {
+                    const auto d = static_cast<unsigned char>(s_[end]);
+                    if (d == '"' || d == '\\' || d < 0x20 || d >= 0x80) break;
+                    ++end;
+                }
+                out.append(s_.data() + pos_, end - pos_);
+                pos_ = end;
                 continue;
             }
             const std::size_t esc = pos_;
