@@ -60,6 +60,7 @@
 #include <mnemo/models/compressive_transformer.hpp>
 #include <mnemo/train/safetensors.hpp>
 
+#include "cli.hpp"
 #include "model_zoo.hpp"
 
 namespace {
@@ -70,43 +71,11 @@ using mnemo::detail::fail;
 namespace ex = mnemo::examples;
 
 constexpr const char* usage =
-    "usage: mnemo_eval --model compressive|xl --checkpoint W.safetensors --tokens T.safetensors\n"
-    "                  --out O.safetensors --seq-len N --mem-len M --c-mem-len K\n"
-    "                  [--compression conv|max|mean|dilated|most-used] [--rate C] [--n-pos P]\n"
-    "                  [--clamp-len L] [--residual add|gru] [--norm pre|post] [--memory-layers L]\n"
-    "                  [--reconstruction attention|autoencoding]\n"
-    "       mnemo_eval --model feedback|feedback-kv --checkpoint W.safetensors --tokens T.safetensors\n"
-    "                  --out O.safetensors --seq-len N [--n-pos P]\n"
-    "\n"
-    "Evaluates a Compressive Transformer (or Transformer-XL: --model xl, or --c-mem-len 0) checkpoint\n"
-    "with labml's parameter names over consecutive segments of N tokens, carrying the memory, or a\n"
-    "Feedback Transformer checkpoint with every segment from an empty memory, and writes logits\n"
-    "[n_segments, batch, N, vocab], ce_loss [n_segments] and ar_loss [n_segments] (F32; ar_loss is 0\n"
-    "for the feedback models).\n"
-    "\n"
-    "  --model          compressive or xl (xl needs --c-mem-len 0 and a checkpoint without compress.*);\n"
-    "                   feedback (per-layer keys/values) or feedback-kv (shared keys/values)\n"
-    "  --checkpoint     weights (safetensors); the sizes are read from the tensor shapes\n"
-    "  --tokens         safetensors file with one I64 or I32 tensor 'tokens' [batch, n_tokens]\n"
-    "  --out            output safetensors file (written atomically)\n"
-    "  --seq-len        N, tokens per segment (>= 1)\n"
-    "  --mem-len        M, memory slots kept (>= 0; feedback: none are kept, 0 or left out)\n"
-    "  --c-mem-len      K, compressed memory slots kept (>= 0; 0 is Transformer-XL; feedback: 0 or left out)\n"
-    "                   M and K need not be the training run's: any lengths with K + M + N <= P work\n"
-    "  --clamp-len      L, relative distances above L use the embedding of distance L (Transformer-XL's\n"
-    "                   clamp_len; 0, the default: off; compressive and xl only)\n"
-    "  --compression    conv (weights in the checkpoint), max or mean pooling, dilated (weights in the\n"
-    "                   checkpoint), most-used; default: the checkpoint's __metadata__ compression, else\n"
-    "                   dilated for a checkpoint with compress.convs.* tensors, else conv\n"
-    "  --rate           compression rate for max/mean pooling when the checkpoint's __metadata__ has no\n"
-    "                   compression_rate (must agree with it, and with the conv kernel, where present)\n"
-    "  --n-pos          relative positions P; read from the checkpoint (key_pos_bias has 2P rows, P for\n"
-    "                   the feedback models), and an error if given and different\n"
-    "  --residual, --norm, --memory-layers, --reconstruction\n"
-    "                   the compressive / XL model's variants (see train --help); default: the\n"
-    "                   checkpoint's __metadata__, else what its tensors show, else add, pre, all, attention\n"
-    "\n"
-    "Supported configurations (d_model, heads, compression rate; add more in examples/model_zoo.hpp):\n";
+    "mnemo_eval: evaluates a Compressive Transformer (or Transformer-XL: --model xl, or --c-mem-len 0) checkpoint "
+    "with labml's parameter names over consecutive segments of N tokens, carrying the memory, or a Feedback "
+    "Transformer checkpoint with every segment from an empty memory, and writes logits [n_segments, batch, N, vocab], "
+    "ce_loss [n_segments] and ar_loss [n_segments] (F32; ar_loss is 0 for the feedback models).\n"
+    "Required: --model, --checkpoint, --tokens, --out, --seq-len, and for compressive / xl --mem-len and --c-mem-len.";
 
 struct options {
     ex::model_kind model = ex::model_kind::compressive;
@@ -139,31 +108,27 @@ index_t parse_integer(const std::string& s, const std::string& what) {
 }
 
 options parse(int argc, char** argv) {
-    // Every flag takes a value ("--flag value" or "--flag=value", as argparse accepts).
-    static const char* const known[] = {"--model", "--checkpoint", "--tokens",      "--out",  "--seq-len",
-                                        "--mem-len", "--c-mem-len", "--compression", "--rate", "--n-pos",
-                                        "--clamp-len", "--residual", "--norm", "--memory-layers", "--reconstruction"};
-    std::map<std::string, std::string> given;
-    for (int i = 1; i < argc; ++i) {
-        std::string a = argv[i], v;
-        if (a == "--help" || a == "-h") {
-            std::printf("%s%s", usage, ex::supported_configs().c_str());
-            std::exit(0);
-        }
-        const auto eq = a.find('=');
-        const bool inline_value = a.rfind("--", 0) == 0 && eq != std::string::npos;
-        if (inline_value) {
-            v = a.substr(eq + 1);
-            a = a.substr(0, eq);
-        }
-        if (std::find_if(std::begin(known), std::end(known), [&](const char* k) { return a == k; }) == std::end(known))
-            fail("mnemo_eval: unknown option '", a, "' (try --help)");
-        if (!inline_value) {
-            if (i + 1 >= argc) fail("mnemo_eval: option ", a, " needs a value");
-            v = argv[++i];
-        }
-        if (!given.emplace(a, v).second) fail("mnemo_eval: option ", a, " is given twice");
-    }
+    static constexpr const char* flags[] = {"--model", "--checkpoint", "--tokens", "--out", "--seq-len", "--mem-len",
+                                            "--c-mem-len", "--compression", "--rate", "--n-pos", "--clamp-len",
+                                            "--residual", "--norm", "--memory-layers", "--reconstruction"};
+    ex::command_line cl;
+    const std::map<std::string, std::string> help = {
+        {"--checkpoint", "weights (safetensors); the sizes are read from the tensor shapes"},
+        {"--seq-len", "N, tokens per segment"},
+        {"--mem-len", "M, memory slots kept (feedback: none are kept, 0 or left out)"},
+        {"--c-mem-len", "K, compressed memory slots kept (0 is Transformer-XL; feedback: 0 or left out); M and K need "
+                        "not be the training run's: any lengths with K + M + N <= P work"},
+        {"--rate", "compression rate for max/mean pooling when the checkpoint's __metadata__ has no compression_rate "
+                   "(must agree with it, and with the conv kernel, where present)"},
+        {"--n-pos", "relative positions P; read from the checkpoint, and an error if given and different"},
+        {"--compression", "conv, max, mean, dilated, most-used; default: the checkpoint's __metadata__ compression, "
+                          "else dilated for a checkpoint with compress.convs.* tensors, else conv"},
+    };
+    if (!ex::parse_command_line("mnemo_eval", usage, flags, argc, argv, cl,
+                                "Model shapes compiled in (others run the generic kernels):\n" + ex::supported_configs(),
+                                help))
+        std::exit(0);
+    std::map<std::string, std::string> given = cl.given;
     for (const char* required : {"--model", "--checkpoint", "--tokens", "--out", "--seq-len"})
         if (!given.count(required)) fail("mnemo_eval: missing required option ", required, " (try --help)");
 

@@ -75,7 +75,7 @@ bad_input(flag_unknown_choice "an unknown --optimizer" "unknown --optimizer 'sgd
 # Every numeric flag: malformed, below its range, and (sizes) above it.
 foreach(flag --d-model --heads --rate --d-ff --layers --n-pos --seq-len --mem-len --c-mem-len --batch --clamp-len
              --seed --steps --warmup --eval-every --eval-segments --log-every --sample-len --eval-sample
-             --save-every --stop-at --eval-mem-len --eval-c-mem-len --threads)
+             --save-every --stop-at --eval-mem-len --eval-c-mem-len --threads --top-k)
   string(REPLACE "-" "_" id ${flag})
   bad_input(int${id}_malformed "${flag} 12x" "${flag} expects an integer, got '12x'" ${TRAIN} ${flag} 12x)
   bad_input(int${id}_negative "${flag} -3" "${flag} must be at least -?[0-9]+, got -3" ${TRAIN} ${flag} -3)
@@ -83,17 +83,28 @@ foreach(flag --d-model --heads --rate --d-ff --layers --n-pos --seq-len --mem-le
     ${TRAIN} ${flag} 99999999999999999999)
 endforeach()
 foreach(flag --d-ff --layers --n-pos --seq-len --mem-len --c-mem-len --batch --clamp-len --sample-len --eval-sample
-             --eval-mem-len --eval-c-mem-len --threads)
+             --eval-mem-len --eval-c-mem-len --threads --top-k)
   string(REPLACE "-" "_" id ${flag})
   bad_input(int${id}_too_large "${flag} 1000000000000" "${flag} must be at most [0-9]+, got 1000000000000"
     ${TRAIN} ${flag} 1000000000000)
 endforeach()
-foreach(flag --lr --weight-decay --clip --temperature)
+foreach(flag --lr --weight-decay --clip --temperature --top-p)
   string(REPLACE "-" "_" id ${flag})
   bad_input(real${id}_malformed "${flag} 1e-3x" "${flag} expects a number, got '1e-3x'" ${TRAIN} ${flag} 1e-3x)
   bad_input(real${id}_nan "${flag} nan" "${flag} expects a number, got 'nan'" ${TRAIN} ${flag} nan)
   bad_input(real${id}_negative "${flag} -1" "${flag} must be (at least 0|>= 0), got -1" ${TRAIN} ${flag} -1)
 endforeach()
+bad_input(top_p_above_one "--top-p 1.5" "--top-p must be at most 1, got 1.5" ${TRAIN} --top-p 1.5)
+bad_input(greedy_with_temperature "--greedy with --temperature"
+  "--greedy samples by argmax: --temperature does not apply" ${TRAIN} --greedy --temperature 0.5)
+bad_input(flag_positional "a word that is not a flag" "unexpected argument 'data.txt'" ${TRAIN} data.txt)
+bad_input(config_missing "--config of a file that does not exist" "--config: [^ ]*nothing.toml was not readable"
+  ${TRAIN} --config ${W}/nothing.toml)
+bad_input(config_bad_value "a --config file with a malformed value" "--steps expects an integer, got 'many'"
+  ${TRAIN} --config ${W}/bad.toml)
+bad_input(metrics_no_directory "--metrics in a directory that does not exist"
+  "--metrics: cannot write '[^']*': the directory '[^']*' does not exist"
+  ${TRAIN} --metrics ${W}/no/such/dir/m.jsonl)
 bad_input(int_zero_d_model "--d-model 0" "--d-model must be at least 1, got 0" ${TRAIN} --d-model 0)
 bad_input(d_model_not_compiled "--d-model 24 (no compiled-in configuration)"
   "no compiled-in configuration for d_model 24, heads 4, compression rate 2\\. Supported:" ${TRAIN} --d-model 24 --steps 1)

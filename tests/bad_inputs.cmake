@@ -18,6 +18,7 @@ if(ROW STREQUAL "setup")
   file(WRITE ${W}/tiny.txt "${text}")
   file(WRITE ${W}/other.txt "${text}${text}")
   file(WRITE ${W}/empty.txt "")
+  file(WRITE ${W}/bad.toml "steps = \"many\"\n")
   sh("printf 'abc\\000def\\n' > '${W}/binary.bin'")
   set(model --d-model 16 --heads 2 --rate 2 --d-ff 32 --layers 2 --n-pos 64 --seq-len 4 --mem-len 4 --c-mem-len 6
       --batch 4 --warmup 10 --eval-every 0 --sample-len 0 --log-every 1000 --threads 2 --steps 2)

@@ -10,10 +10,10 @@
 # The two flags may be given together.
 set -euo pipefail
 
-# clang-14 + libclang-rt-14-dev: libFuzzer (tools/fuzz.sh); libomp-14-dev: LLVM's OpenMP with Archer
-# (tools/tsan.sh).
-packages=(build-essential cmake libeigen3-dev libxsimd-dev xtl-dev doctest-dev libbenchmark-dev
-          clang-14 libclang-rt-14-dev libomp-14-dev)
+# libcli11-dev: the programs' command lines; gnuplot-nox: tools/plot.sh; clang-14 + libclang-rt-14-dev:
+# libFuzzer (tools/fuzz.sh); libomp-14-dev: LLVM's OpenMP with Archer (tools/tsan.sh).
+packages=(build-essential cmake libeigen3-dev libxsimd-dev xtl-dev doctest-dev libbenchmark-dev libcli11-dev
+          gnuplot-nox clang-14 libclang-rt-14-dev libomp-14-dev)
 for arg in "$@"; do
   case "$arg" in
     --python) packages+=(python3-torch python3-numpy libopenblas0-openmp) ;;

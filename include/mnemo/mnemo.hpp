@@ -5,6 +5,7 @@
 //   kernels/  cpu/ (Eigen GEMM, xsimd element-wise kernels, OpenMP)
 //   nn/       layers with hand-written backward passes
 //   train/    optimizers, clipping, schedules, safetensors checkpoints, memory, losses
+//   trainer/  the training loop: segment streams, trainer<Model>, checkpoints with trainer state, metrics
 //   models/   compressive_transformer (and Transformer-XL as its c_mem_len = 0 case),
 //             feedback_transformer (plain and shared-KV)
 #include "core/activation.hpp"
@@ -40,3 +41,6 @@
 #include "train/safetensors.hpp"
 #include "train/schedule.hpp"
 #include "train/text_data.hpp"
+#include "trainer/metrics.hpp"
+#include "trainer/streams.hpp"
+#include "trainer/trainer.hpp"
