@@ -40,7 +40,7 @@
 // the defaults are labml's feedback experiment: d_model 512, 8 heads, d_ff 2048, 6 layers, n_pos 4096,
 // seq_len 128, batch 64, Noam with lr 1 and 2000 warm-up steps (the reference shuffles its sequences;
 // here they are read from the streams as above). Every segment starts from an empty memory, in training
-// and validation alike (REFERENCE_NOTES 16): no state is carried, so --mem-len and --c-mem-len must be 0
+// and validation alike (docs/reference.md §16): no state is carried, so --mem-len and --c-mem-len must be 0
 // and a checkpoint holds no memory. Sampling feeds the prompt and the continuation to the model's
 // generator as one sequence, each step reusing the cached keys and values of the earlier ones (the same
 // logits as the reference's re-evaluation of the whole growing sequence); a sequence spans at most
