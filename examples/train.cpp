@@ -30,7 +30,7 @@
 // the defaults are labml's feedback experiment: d_model 512, 8 heads, d_ff 2048, 6 layers, n_pos 4096,
 // seq_len 128, batch 64, Noam with lr 1 and 2000 warm-up steps (the reference shuffles its sequences;
 // here they are read from the streams). Every segment starts from an empty memory, in training and
-// validation alike (docs/reference.md): no state is carried, so --mem-len and --c-mem-len must be 0 and
+// validation alike (docs/reference.md §16): no state is carried, so --mem-len and --c-mem-len must be 0 and
 // a checkpoint holds no memory. On the recall task the recall recipe applies, with seq_len 64 so that
 // a sequence can hold a key and its answer.
 //

@@ -1,7 +1,7 @@
 # The bad inputs of `train` and `mnemo_eval`, one ctest each (bad_input.<name>): what a user may get
 # wrong, and the one-line message each must give (a regular expression). tests/bad_inputs.cmake runs
 # one row; examples/CMakeLists.txt registers them all. Files under ${W} are made by the setup row
-# (see tests/bad_inputs.cmake). The README's table of bad inputs lists the messages these rows get.
+# (see tests/bad_inputs.cmake). docs/reliability.md's table of bad inputs lists the messages these rows get.
 #   bad_input(name "what was tried" "expected message (regex)" command...)
 
 set(tiny_shape --d-model 16 --heads 2 --rate 2 --d-ff 32 --layers 2 --n-pos 64 --seq-len 4 --mem-len 4

@@ -188,7 +188,7 @@ TEST_CASE_TEMPLATE("sgd: without momentum matches torch.optim.SGD and keeps no b
     check_ulps<T>("sgd_plain", run_golden<T>("sgd_plain", opt, pick<T>(c::params_f32, c::params_f64), plain_step));
 }
 
-TEST_CASE_TEMPLATE("labml_adam: AdamWarmup steps match the reference formula (REFERENCE_NOTES 11)", T, float, double) {
+TEST_CASE_TEMPLATE("labml_adam: AdamWarmup steps match the reference formula (docs/reference.md §11)", T, float, double) {
     namespace c = g::labml_adam_warmup;
     mnemo::labml_adam<T> opt(g::n, {.lr = c::lr, .beta1 = c::beta1, .beta2 = c::beta2, .eps = c::eps,
                                     .weight_decay = c::weight_decay});
@@ -202,7 +202,7 @@ TEST_CASE_TEMPLATE("labml_adam: AdamWarmup steps match the reference formula (RE
     check_ulps<T>("labml_adam_warmup", worst);
 }
 
-TEST_CASE_TEMPLATE("labml_adam: Noam steps match the reference formula (REFERENCE_NOTES 17)", T, float, double) {
+TEST_CASE_TEMPLATE("labml_adam: Noam steps match the reference formula (docs/reference.md §17)", T, float, double) {
     namespace c = g::labml_noam;
     mnemo::labml_adam<T> opt(g::n, {.lr = c::lr, .beta1 = c::beta1, .beta2 = c::beta2, .eps = c::eps,
                                     .weight_decay = c::weight_decay});

@@ -6,13 +6,13 @@
 
 Runs the independent PyTorch reference (tools/reference/feedback.py) in float64 on CPU with one thread,
 so the files are byte-identical from run to run. Each configuration trains for N_STEPS steps, each on
-its own random sequence (every sequence starts from an empty memory, REFERENCE_NOTES 16):
+its own random sequence (every sequence starts from an empty memory, docs/reference.md §16):
 
     forward (token by token) -> mean CE -> backward through time
     -> clip_grad_norm_(all parameters, CLIP) -> optimizer step
 
 feedback_tiny uses torch.optim.AdamW (foreach=False); feedback_kv_tiny uses labml's Noam optimizer
-(labml's Adam update with lr_t = lr · d_model^−0.5 · min(t^−0.5, t · warmup^−1.5), REFERENCE_NOTES 17),
+(labml's Adam update with lr_t = lr · d_model^−0.5 · min(t^−0.5, t · warmup^−1.5), docs/reference.md §17),
 reusing tools/golden_optim.py's implementation. Every parameter starts random, including the positional
 tables R, S, u and the layer weights w (the reference initialises them to zero and one), so every path
 is exercised. n_pos is small (8) so the tests also cover the table window [P − T + 1, P − 1].

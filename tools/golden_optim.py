@@ -13,7 +13,7 @@ float64 values rounded to float32, which is what the C++ test does with static_c
     path), on three tensors of shapes (7,), (3, 5) and (2, 17): the parameters after every step and the
     optimizer state after the last;
   * labml_nn's Adam update (optimized_update) under its AdamWarmup and Noam rates, written out here from
-    the formulas of REFERENCE_NOTES items 11 and 17 (labml_nn is not a dependency);
+    the formulas of docs/reference.md §11 and §17 (labml_nn is not a dependency);
   * torch.nn.utils.clip_grad_norm_ with max_norm below and above the gradient norm;
   * learning rates of LambdaLR (linear warm-up from 0 and from a start factor, warm-up + cosine),
     CosineAnnealingLR, and the noam and adam_warmup formulas, for steps 0, 1, 2, ...
@@ -82,7 +82,7 @@ def sgd_state(opt, ps):
 
 
 class LabmlAdam:
-    """labml_nn's Adam step with optimized_update = True (REFERENCE_NOTES 11), rate from get_lr(t):
+    """labml_nn's Adam step with optimized_update = True (docs/reference.md §11), rate from get_lr(t):
     WeightDecay (decoupled, scaled by the base lr), then t += 1, then m, v, then
     p -= lr_t * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)."""
 

@@ -12,7 +12,7 @@ steps": the data pipeline is the trainer's, step for step:
   * memory carried across segments, merged after the forward pass, attention-reconstruction loss on
     steps that compress, clipping by global norm, then the optimizer.
 
-Optimizers: `adam-warmup` (labml's AdamWarmup, the reference experiment's "AdamW": REFERENCE_NOTES 11),
+Optimizers: `adam-warmup` (labml's AdamWarmup, the reference experiment's "AdamW": docs/reference.md §11),
 `noam`, or `adamw` (torch.optim.AdamW). Validation: mean cross-entropy over the first
 --eval-segments segments of the validation streams, from an empty memory, in bits per character.
 
@@ -62,7 +62,7 @@ class Streams:
 
 
 class LabmlAdam:
-    """labml's Adam update with AdamWarmup or Noam rates (REFERENCE_NOTES 11, 17)."""
+    """labml's Adam update with AdamWarmup or Noam rates (docs/reference.md §11, §17)."""
 
     def __init__(self, params, lr, warmup, schedule, d_model, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
         self.params = list(params)

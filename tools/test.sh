@@ -21,7 +21,7 @@ echo "test.sh: the suite under AddressSanitizer + UndefinedBehaviorSanitizer"
 t0=$SECONDS
 tools/sanitize.sh "$build-asan"
 echo "test.sh: sanitizer build and run: $((SECONDS - t0)) s"
-echo "test.sh: fuzzing each reader for 15 s (tools/fuzz.sh; the long run is in the README)"
+echo "test.sh: fuzzing each reader for 15 s (tools/fuzz.sh; the long run is in docs/reliability.md)"
 t0=$SECONDS
 tools/fuzz.sh --seconds 15 --build "$build-fuzz" --train "$build/examples/train"
 echo "test.sh: fuzzing: $((SECONDS - t0)) s"

@@ -2,7 +2,7 @@
 # ThreadSanitizer over the threaded kernels: the kernel, GEMM, attention and generation tests, built
 # with clang, LLVM's OpenMP runtime (libomp) and its Archer tool, which tells TSan about OpenMP's own
 # synchronisation. (g++'s libgomp is not instrumented: TSan then reports false races in it.)
-# Run on 2 and 3 threads. Takes several minutes; the result goes in the README (Reliability).
+# Run on 2 and 3 threads. Takes several minutes; the result goes in docs/reliability.md.
 #   tools/tsan.sh [build-dir]          (default: build-tsan; needs clang-14 and libomp-14-dev)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,6 +1,6 @@
 """An independent PyTorch reference for mnemo's Compressive Transformer and Transformer-XL.
 
-Written from the math in /work/shared/REFERENCE_NOTES.md (items 1-11), not translated from labml;
+Written from the math in docs/reference.md (§1-11), not translated from labml;
 the parameter names match labml's state_dict so checkpoints are interchangeable:
 
     src_embed.weight                                            [vocab, D]
@@ -29,7 +29,7 @@ masked to −inf where j > L_mem + i, softmax over j. The positional term is com
 indexing (a gather of the table row P − δ for every (i, j)), not with Transformer-XL's shift trick;
 tools/reference/test_reference.py checks the two agree.
 
-Training order per segment (REFERENCE_NOTES 8, 10): forward with the carried memory -> merge the
+Training order per segment (docs/reference.md §8, §10): forward with the carried memory -> merge the
 new memory without gradient (compressing with the current weights) -> CE + attention-reconstruction
 loss -> backward -> clip -> optimizer step.
 """
@@ -314,7 +314,7 @@ class Memory:
 def _detached_attention(sa: RelativeMultiHeadAttention, h: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     """softmax_j((q_i·k_j)·scale) v_j with detached projection weights: [Q, B, heads, d_k].
 
-    No positional terms, no mask, no output projection (REFERENCE_NOTES 10).
+    No positional terms, no mask, no output projection (docs/reference.md §10).
     """
 
     def project(p: HeadProjection, x):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """An independent PyTorch reference for mnemo's Feedback Transformer, both variants.
 
-Written from the math in /work/shared/REFERENCE_NOTES.md (items 12-17), not translated from labml; the
+Written from the math in docs/reference.md (§12-17), not translated from labml; the
 parameter names match labml's state_dict so checkpoints are interchangeable:
 
     src_embed.weight                                             [vocab, D]

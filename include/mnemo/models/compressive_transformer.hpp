@@ -11,7 +11,7 @@
 //   f_c                                       `compress`: compresses this layer's memory
 // The model: `src_embed` (no scaling, no positions) → layers → `transformer.norm` → `generator`.
 //
-// A segment step follows the reference experiment (REFERENCE_NOTES 6-10):
+// A segment step follows the reference experiment (docs/reference.md §6-10):
 //   forward (reads the memory) → merge the new layer inputs into the memory, compressing with the
 //   current weights → cross-entropy + attention-reconstruction loss (only if something was
 //   compressed) → backward (parameter gradients +=) → the caller clips and steps the optimizer.

@@ -1,7 +1,7 @@
 #pragma once
 // The Feedback Transformer (Fan et al., 2020, "Addressing Some Limitations of Transformers with
 // Feedback Memory"), as labml's FeedbackTransformer and FeedbackTransformerKV
-// (labml_nn/transformers/feedback/__init__.py; its behaviour pinned down in REFERENCE_NOTES 12-17).
+// (labml_nn/transformers/feedback/__init__.py; its behaviour pinned down in docs/reference.md §12-17).
 //
 // Tokens are processed one step at a time; at step t every layer attends to the memory slots of ALL
 // earlier steps (not to the layer below), so the model is recurrent. With x_t the token embedding:
@@ -28,7 +28,7 @@
 // are computed ONCE, when slot j is created, and cached: mathematically the same values. The last slot
 // of a training sequence is never read, so training skips its projection (the reference computes it and
 // throws it away; nothing downstream depends on it). Every sequence starts from an empty memory
-// (REFERENCE_NOTES 16): no state is carried between forward passes.
+// (docs/reference.md §16): no state is carried between forward passes.
 //
 // Training is backpropagation through time over the whole sequence. The key/value gradients of all slots
 // live in preallocated [B, T, D] buffers (no re-stacking per step); the reverse sweep visits steps

@@ -14,7 +14,7 @@
 //
 // The tables have P rows (not 2P as in Transformer-XL) and are indexed from the most recent slot
 // backwards: slot j at step t reads row P − (t − j), so the window is rows [P − t, P) and row P never
-// exists (REFERENCE_NOTES 14). t > P is an error. The positional term uses q without u.
+// exists (docs/reference.md §14). t > P is an error. The positional term uses q without u.
 //
 // Keys and values arrive already projected (the model caches them once per slot) as memory_slots: any
 // layout with D contiguous features per (slot, batch row), e.g. sequence-major [t, B, D] or batch-major

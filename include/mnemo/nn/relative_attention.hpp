@@ -18,7 +18,7 @@
 //
 // The positional term uses q without u. labml computes it with a "shift" of q·R over the table rows
 // [P − K, P + Q); that shift equals the direct indexing above at every unmasked position (see
-// REFERENCE_NOTES), which is what this module does: per head, one GEMM gives q·R for every row of
+// docs/reference.md §3), which is what this module does: per head, one GEMM gives q·R for every row of
 // the window, column c ↔ table row P − K + c, and score (i, j) reads column c = Q + j − i.
 // P (n_pos) is a runtime setting; K > P or Q > P is an error.
 //

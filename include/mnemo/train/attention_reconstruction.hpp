@@ -1,6 +1,6 @@
 #pragma once
 // Attention-reconstruction loss of the Compressive Transformer (Rae et al., 2019, §3.2; labml's
-// AttentionReconstructionLoss; REFERENCE_NOTES 10). For one layer, with h this segment's layer input
+// AttentionReconstructionLoss; docs/reference.md §10). For one layer, with h this segment's layer input
 // and m the memory slots just compressed away (both constants):
 //
 //   hn = LN(h), mn = LN(m), cn = LN(f_c(m))              the layer's attention norm, parameters detached

@@ -1,6 +1,6 @@
 #pragma once
 // Memory carried across segments by Transformer-XL and the Compressive Transformer (Rae et al., 2019),
-// managed exactly as the reference experiment does (REFERENCE_NOTES 8):
+// managed exactly as the reference experiment does (docs/reference.md §8):
 //
 //   after each segment's forward pass, without gradient, for every layer l:
 //     mem ← [mem, new]                       new = this segment's input of layer l (stop-gradient)

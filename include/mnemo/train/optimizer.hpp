@@ -12,7 +12,7 @@
 // sgd        torch.optim.SGD: g ← g + wd·p; with momentum μ: b ← g at t = 1 (no dampening),
 //            b ← μ·b + (1 − dampening)·g after; d = g + μ·b (nesterov) or d = b; p ← p − lr·d.
 // labml_adam labml_nn's Adam with optimized_update, the update of its AdamWarmup and Noam optimizers
-//            (REFERENCE_NOTES 11 and 17, confirmed by running the reference):
+//            (docs/reference.md §11 and §17, confirmed by running the reference):
 //              p ← p·(1 − lr·wd)   (decoupled; lr is the base rate, labml's group['lr'])
 //              m, v as Adam
 //              p ← p − lr_t · sqrt(1 − β2^t)/(1 − β1^t) · m / (sqrt(v) + ε)
@@ -513,7 +513,7 @@ private:
 };
 
 /// Options of labml_nn's Adam family. eps = 1e-8 is the Compressive Transformer experiment's value
-/// (REFERENCE_NOTES 11); labml's own default is 1e-16. weight_decay is decoupled, default 0.
+/// (docs/reference.md §11); labml's own default is 1e-16. weight_decay is decoupled, default 0.
 struct labml_adam_options {
     double lr = 1e-3;
     double beta1 = 0.9;

@@ -123,7 +123,7 @@ private:
 };
 
 /// Noam: lr · d_model^−0.5 · min(t^−0.5, t · warmup^−1.5), t = step + 1. Rises linearly for
-/// warmup steps, peaks at t = warmup, then decays as t^−0.5. Pair with labml_adam (REFERENCE_NOTES 17).
+/// warmup steps, peaks at t = warmup, then decays as t^−0.5. Pair with labml_adam (docs/reference.md §17).
 class noam_schedule {
 public:
     noam_schedule(double lr, std::int64_t d_model, std::int64_t warmup_steps)
@@ -150,7 +150,7 @@ private:
 };
 
 /// labml's AdamWarmup rate: 1e-8 + t · lr / warmup while t < warmup, else lr, t = step + 1
-/// (REFERENCE_NOTES 11). The 1e-8 offset is labml's; it is kept so the rates agree bit for bit.
+/// (docs/reference.md §11). The 1e-8 offset is labml's; it is kept so the rates agree bit for bit.
 class adam_warmup_schedule {
 public:
     adam_warmup_schedule(double lr, std::int64_t warmup_steps) : lr_(lr), warmup_(warmup_steps) {
