@@ -398,9 +398,10 @@ public:
         return s;
     }
 
-    /// Saves the model file PATH with `metadata` (plus "step" and "vocab_hex") and the state file
-    /// PATH.state.safetensors, as one (see the header comment).
+    /// Saves the model file PATH with `metadata` (plus "format", "step" and "vocab_hex") and the state
+    /// file PATH.state.safetensors, as one (see the header comment).
     void save(const std::string& path, safetensors_metadata metadata) {
+        metadata["format"] = "mnemo-train-1";
         metadata["step"] = std::to_string(optimizer_.step_count());
         metadata["vocab_hex"] = vocab_.hex();
         const auto& ps = model_.parameters();
