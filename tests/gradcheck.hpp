@@ -1,6 +1,7 @@
 #pragma once
 // Finite-difference gradient checks in double (central differences), as dlib's test_layer and
 // mlpack's gradient checks: the metric is ‖analytic − numeric‖ / ‖analytic + numeric‖.
+#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -69,6 +70,21 @@ inline void check_gradients(const std::function<double()>& loss, std::vector<gra
         CHECK(err < tolerance);
         CHECK(norm > 0);
     }
+}
+
+/// Backward accumulates into parameter gradients: runs `backward` once on zeroed gradients (the clean
+/// gradient), then again over gradients pre-filled with U(−1, 1); the result must be prefill + clean
+/// to 1e-14 (atol and rtol) in every element.
+inline void check_accumulates(mnemo::parameter_set<double>& ps, const std::function<void()>& backward) {
+    ps.zero_grad();
+    backward();
+    std::vector<double> clean(ps.grads(), ps.grads() + ps.size());
+    auto prefill = random_vector<double>(ps.size(), 99);
+    std::memcpy(ps.grads(), prefill.data(), sizeof(double) * prefill.size());
+    backward();
+    std::vector<double> expected(clean.size());
+    for (std::size_t i = 0; i < clean.size(); ++i) expected[i] = prefill[i] + clean[i];
+    check_close("accumulated parameter gradients", ps.grads(), expected.data(), ps.size(), 1e-14, 1e-14);
 }
 
 /// Σ y ⊙ r: a scalar loss whose gradient with respect to y is r.

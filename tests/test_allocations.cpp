@@ -12,6 +12,8 @@
 #include "allocation_counter.hpp"
 #include "testing.hpp"
 
+using mnemo::testing::random_tokens;
+
 TEST_CASE("layers: a steady-state forward and backward performs no heap allocation") {
     using mnemo::view;
     constexpr std::size_t D = 32, Dff = 64;
@@ -69,13 +71,6 @@ namespace {
 using alloc_cfg = mnemo::config<64, 4, 2>;
 using alloc_model = mnemo::compressive_transformer<float, alloc_cfg>;
 constexpr mnemo::index_t alloc_seq = 8, alloc_batch = 4, alloc_vocab = 29;
-
-std::vector<mnemo::token_t> alloc_tokens(std::uint64_t seed, std::size_t n) {
-    mnemo::rng r(seed);
-    std::vector<mnemo::token_t> t(n);
-    for (auto& x : t) x = mnemo::token_t(r.next_u32() % alloc_vocab);
-    return t;
-}
 }  // namespace
 
 // The whole training step of the performance issue, in steady state (memory and compressed memory
@@ -88,7 +83,8 @@ TEST_CASE("compressive transformer: a steady-state training step performs no hea
     mem.reset(alloc_batch, alloc_seq);
     auto& ps = model.parameters();
     mnemo::adamw<float> opt(ps.size(), {.lr = 1e-3});
-    const auto tokens = alloc_tokens(1, alloc_seq * alloc_batch), targets = alloc_tokens(2, alloc_seq * alloc_batch);
+    const auto tokens = random_tokens(alloc_seq * alloc_batch, alloc_vocab, 1),
+               targets = random_tokens(alloc_seq * alloc_batch, alloc_vocab, 2);
     mnemo::segment_losses l;
     auto step = [&] {
         ps.zero_grad();
@@ -113,7 +109,7 @@ TEST_CASE("compressive transformer: a steady-state generation step performs no h
     model.reset_parameters(4);
     auto mem = model.make_memory(16, 16);
     mem.reset(1, alloc_seq);
-    const auto prime = alloc_tokens(5, alloc_seq);
+    const auto prime = random_tokens(alloc_seq, alloc_vocab, 5);
     for (int i = 0; i < 6; ++i) {
         model.forward(prime, 1, mem);
         model.update_memory(mem);

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <functional>
 #include <string>
 #include <vector>
 
@@ -20,12 +19,15 @@
 
 using mnemo::index_t;
 using mnemo::view;
+using mnemo::testing::check_accumulates;
 using mnemo::testing::check_close;
 using mnemo::testing::check_gradients;
+using mnemo::testing::meta_int;
 using mnemo::testing::parameter_targets;
 using mnemo::testing::project;
 using mnemo::testing::random_vector;
 using mnemo::testing::randomize_parameters;
+using mnemo::testing::run_compression_shapes;
 
 namespace {
 
@@ -52,19 +54,6 @@ std::vector<double> reference_decoder(const std::vector<double>& cm, const doubl
         for (index_t b = 0; b < batch; ++b)
             for (index_t o = 0; o < d; ++o) out[(l * batch + b) * d + o] = y[(b * d + o) * len + l];
     return out;
-}
-
-// Runs `grad` twice around pre-filled gradients: the result must be prefill + the clean gradient.
-void check_accumulates(mnemo::parameter_set<double>& ps, const std::function<void()>& grad) {
-    ps.zero_grad();
-    grad();
-    std::vector<double> clean(ps.grads(), ps.grads() + ps.size());
-    auto prefill = random_vector<double>(ps.size(), 99);
-    std::memcpy(ps.grads(), prefill.data(), sizeof(double) * prefill.size());
-    grad();
-    std::vector<double> expected(clean.size());
-    for (std::size_t i = 0; i < clean.size(); ++i) expected[i] = prefill[i] + clean[i];
-    check_close("accumulated parameter gradients", ps.grads(), expected.data(), ps.size(), 1e-14, 1e-14);
 }
 
 // Decoder forward against the reference; its backward (parameters and d_cm) against finite differences.
@@ -156,18 +145,6 @@ template <std::size_t D, std::size_t Rate>
 struct mean_loss_case {
     static void run(index_t batch, index_t n) { check_loss_gradients<mnemo::mean_pool_compression, D, Rate>(batch, n); }
 };
-template <template <std::size_t, std::size_t> class Case>
-void run_all_shapes() {
-    for (index_t batch : {1, 3}) {
-        Case<5, 1>::run(batch, 3);
-        Case<5, 2>::run(batch, 2);
-        Case<7, 3>::run(batch, 2);
-        Case<4, 3>::run(batch, 1);
-        Case<6, 2>::run(batch, 3);
-    }
-}
-
-index_t meta_int(const mnemo::safetensors_file& f, const char* key) { return std::stoll(f.metadata().at(key)); }
 
 template <class T>
 void check_golden(double atol, double rtol) {
@@ -225,7 +202,7 @@ void check_golden(double atol, double rtol) {
 
 TEST_CASE("conv_transpose_decoder: forward matches ConvTranspose1d over the permuted memory, backward matches "
           "finite differences") {
-    run_all_shapes<decoder_case>();
+    run_compression_shapes<decoder_case>();
 }
 
 TEST_CASE("conv_transpose_decoder: parameters named <prefix>.weight [in, out, kernel] and <prefix>.bias, PyTorch "
@@ -331,13 +308,13 @@ TEST_CASE("conv_transpose_decoder: strided views are honoured; large enough to r
 }
 
 TEST_CASE("autoencoding_reconstruction: the loss gradient matches finite differences (conv compression)") {
-    run_all_shapes<conv_loss_case>();
+    run_compression_shapes<conv_loss_case>();
 }
 
 TEST_CASE("autoencoding_reconstruction: with max or mean pooling only the decoder has gradient, matching finite "
           "differences") {
-    run_all_shapes<max_loss_case>();
-    run_all_shapes<mean_loss_case>();
+    run_compression_shapes<max_loss_case>();
+    run_compression_shapes<mean_loss_case>();
 }
 
 TEST_CASE("autoencoding_reconstruction: the loss is the mean squared error of the decoded compression") {

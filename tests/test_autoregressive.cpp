@@ -23,6 +23,7 @@ using mnemo::token_t;
 using mnemo::testing::random_tokens;
 using mnemo::testing::random_vector;
 using mnemo::testing::randomize_model;
+using mnemo::testing::same_bits;
 
 namespace {
 
@@ -200,11 +201,6 @@ const mnemo::compressive_options model_options{.vocab = vocab, .n_layers = 2, .d
 
 template <class T>
 using model_t = mnemo::compressive_transformer<T, tiny>;
-
-template <class T>
-bool same_bits(const T* a, const T* b, index_t n) {
-    return std::memcmp(a, b, sizeof(T) * std::size_t(n)) == 0;
-}
 
 template <class Memory>
 bool same_memory(const Memory& a, const Memory& b) {

@@ -9,7 +9,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <limits>
 #include <new>
 #include <numeric>
@@ -24,12 +23,14 @@
 
 using mnemo::index_t;
 using mnemo::view;
+using mnemo::testing::check_accumulates;
 using mnemo::testing::check_close;
 using mnemo::testing::check_gradients;
 using mnemo::testing::parameter_targets;
 using mnemo::testing::project;
 using mnemo::testing::random_vector;
 using mnemo::testing::randomize_parameters;
+using mnemo::testing::run_compression_shapes;
 
 namespace {
 
@@ -88,19 +89,6 @@ std::vector<double> distinct_values(index_t count, std::uint64_t seed) {
     std::vector<double> v(static_cast<std::size_t>(count));
     for (index_t i = 0; i < count; ++i) v[i] = 0.05 * static_cast<double>(perm[i]) - 0.025 * static_cast<double>(count);
     return v;
-}
-
-// Runs backward twice around pre-filled gradients: the result must be prefill + the clean gradient.
-void check_accumulates(mnemo::parameter_set<double>& ps, const std::function<void()>& backward) {
-    ps.zero_grad();
-    backward();
-    std::vector<double> clean(ps.grads(), ps.grads() + ps.size());
-    auto prefill = random_vector<double>(ps.size(), 99);
-    std::memcpy(ps.grads(), prefill.data(), sizeof(double) * prefill.size());
-    backward();
-    std::vector<double> expected(clean.size());
-    for (std::size_t i = 0; i < clean.size(); ++i) expected[i] = prefill[i] + clean[i];
-    check_close("accumulated parameter gradients", ps.grads(), expected.data(), ps.size(), 1e-14, 1e-14);
 }
 
 // ---- the checks, per (D, Rate), for a given batch and number of compressed slots n ----
@@ -219,29 +207,19 @@ template <std::size_t D, std::size_t Rate>
 struct mean_case {
     static void run(index_t batch, index_t n) { check_mean_pool<D, Rate>(batch, n); }
 };
-template <template <std::size_t, std::size_t> class Case>
-void run_all_shapes() {
-    for (index_t batch : {1, 3}) {
-        Case<5, 1>::run(batch, 3);
-        Case<5, 2>::run(batch, 2);
-        Case<7, 3>::run(batch, 2);
-        Case<4, 3>::run(batch, 1);
-        Case<6, 2>::run(batch, 3);
-    }
-}
 
 }  // namespace
 
 TEST_CASE("conv_compression: forward matches Conv1d over the permuted memory, backward matches finite differences") {
-    run_all_shapes<conv_case>();
+    run_compression_shapes<conv_case>();
 }
 
 TEST_CASE("max_pool_compression: forward matches max_pool1d, backward matches finite differences") {
-    run_all_shapes<max_case>();
+    run_compression_shapes<max_case>();
 }
 
 TEST_CASE("mean_pool_compression: forward matches avg_pool1d, backward matches finite differences") {
-    run_all_shapes<mean_case>();
+    run_compression_shapes<mean_case>();
 }
 
 TEST_CASE("conv_compression: parameters are named as the PyTorch state_dict, shaped [out, in, kernel]") {

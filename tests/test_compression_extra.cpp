@@ -12,7 +12,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -26,8 +25,10 @@
 using mnemo::index_t;
 using mnemo::token_t;
 using mnemo::view;
+using mnemo::testing::check_accumulates;
 using mnemo::testing::check_close;
 using mnemo::testing::check_gradients;
+using mnemo::testing::meta_int;
 using mnemo::testing::parameter_targets;
 using mnemo::testing::project;
 using mnemo::testing::random_tokens;
@@ -87,19 +88,6 @@ std::vector<index_t> reference_most_used_choice(const std::vector<double>& usage
             arg[s * batch + b] = best < 0 ? 0 : best;
         }
     return arg;
-}
-
-// Runs backward twice around pre-filled gradients: the result must be prefill + the clean gradient.
-void check_accumulates(mnemo::parameter_set<double>& ps, const std::function<void()>& backward) {
-    ps.zero_grad();
-    backward();
-    std::vector<double> clean(ps.grads(), ps.grads() + ps.size());
-    auto prefill = random_vector<double>(ps.size(), 99);
-    std::memcpy(ps.grads(), prefill.data(), sizeof(double) * prefill.size());
-    backward();
-    std::vector<double> expected(clean.size());
-    for (std::size_t i = 0; i < clean.size(); ++i) expected[i] = prefill[i] + clean[i];
-    check_close("accumulated parameter gradients", ps.grads(), expected.data(), ps.size(), 1e-14, 1e-14);
 }
 
 template <class C>
@@ -304,9 +292,9 @@ TEST_CASE("dilated_conv_compression: rate 2 is conv_compression of rate 2") {
 TEST_CASE("dilated_conv_compression: matches PyTorch (tools/golden_dilated.py) in forward and backward") {
     const auto f = mnemo::read_safetensors(std::string(MNEMO_TEST_DATA_DIR) + "/golden/dilated_compression.safetensors");
     constexpr std::size_t D = 6, Rate = 4;
-    REQUIRE(std::stoll(f.metadata().at("d_model")) == index_t(D));
-    REQUIRE(std::stoll(f.metadata().at("rate")) == index_t(Rate));
-    const index_t batch = std::stoll(f.metadata().at("batch")), slots = std::stoll(f.metadata().at("slots"));
+    REQUIRE(meta_int(f, "d_model") == index_t(D));
+    REQUIRE(meta_int(f, "rate") == index_t(Rate));
+    const index_t batch = meta_int(f, "batch"), slots = meta_int(f, "slots");
     REQUIRE(batch == 2);
     REQUIRE(slots == 8);
     REQUIRE(f.at("mem").shape == std::vector<std::int64_t>{slots, batch, index_t(D)});

@@ -29,29 +29,18 @@
 #include "testing.hpp"
 
 using mnemo::index_t;
-using mnemo::testing::random_vector;
+using mnemo::testing::form_name;
+using mnemo::testing::gemm_form;
+using mnemo::testing::gemm_operands;
+using mnemo::testing::nn;
+using mnemo::testing::nt;
+using mnemo::testing::tn;
 using K = mnemo::ops<mnemo::cpu>;
 
 namespace {
 
-enum form { nn, nt, tn };
-
 template <class T>
-struct problem {
-    index_t m, n, k, lda, ldb, ldc;
-    std::vector<T> a, b, c;
-    problem(form f, index_t m_, index_t n_, index_t k_, index_t pad, std::uint64_t seed) : m(m_), n(n_), k(k_) {
-        lda = (f == tn ? m : k) + pad;
-        ldb = (f == nt ? k : n) + pad;
-        ldc = n + pad;
-        a = random_vector<T>((f == tn ? k : m) * lda, seed);
-        b = random_vector<T>((f == nt ? n : k) * ldb, seed + 1);
-        c = random_vector<T>(m * ldc, seed + 2);
-    }
-};
-
-template <class T>
-void run(form f, bool eigen, const problem<T>& p, T* c, T beta, T alpha) {
+void run(gemm_form f, bool eigen, const gemm_operands<T>& p, T* c, T beta, T alpha) {
     auto call = [&](auto fn) { fn(p.m, p.n, p.k, p.a.data(), p.lda, p.b.data(), p.ldb, c, p.ldc, beta, alpha); };
     switch (f) {
         case nn: eigen ? call(K::gemm_nn_eigen<T>) : call(K::gemm_nn<T>); break;
@@ -59,8 +48,6 @@ void run(form f, bool eigen, const problem<T>& p, T* c, T beta, T alpha) {
         case tn: eigen ? call(K::gemm_tn_eigen<T>) : call(K::gemm_tn<T>); break;
     }
 }
-
-std::string form_name(form f) { return f == nn ? "nn" : f == nt ? "nt" : "tn"; }
 
 /// The large products of configurations B and C (bench_kernels' model rows), a few odd sizes, and one
 /// with fewer rows than two blocks need.
@@ -114,10 +101,10 @@ TEST_CASE_TEMPLATE("gemm: the dispatching forms agree with the Eigen path; beta 
     const double tol = std::is_same_v<T, float> ? 1e-4 : 1e-12;
     std::uint64_t seed = 10;
     for (const auto& s : large_shapes) {
-        for (form f : {nn, nt, tn}) {
+        for (gemm_form f : {nn, nt, tn}) {
             for (auto [beta, alpha] : {std::pair{T(0), T(1)}, {T(1), T(1)}, {T(0.5), T(-0.75)}}) {
                 {
-                    problem<T> p(f, s.m, s.n, s.k, 5, seed++);
+                    gemm_operands<T> p(f, s.m, s.n, s.k, 5, seed++);
                     std::vector<T> got = p.c, ref = p.c;
                     if (beta == T(0))  // C's elements (not the padding between its rows) hold NaN
                         for (index_t i = 0; i < s.m; ++i)
@@ -145,9 +132,9 @@ TEST_CASE_TEMPLATE("gemm: the dispatching forms agree with the Eigen path; beta 
 TEST_CASE_TEMPLATE("gemm: results are bitwise the same on 1, 2 and 3 threads", T, float, double) {
     std::uint64_t seed = 40;
     for (const auto& s : large_shapes) {
-        for (form f : {nn, nt, tn}) {
+        for (gemm_form f : {nn, nt, tn}) {
             for (T beta : {T(0), T(1)}) {
-                problem<T> p(f, s.m, s.n, s.k, 0, seed++);
+                gemm_operands<T> p(f, s.m, s.n, s.k, 0, seed++);
                 std::vector<T> out[3];
                 const int saved = omp_get_max_threads();
                 for (int t = 1; t <= 3; ++t) {
@@ -178,7 +165,7 @@ TEST_CASE("gemm: called from inside a parallel region, each call runs on its own
 #endif
         return n;
     };
-    problem<float> p(nt, 1024, 256, 256, 0, 77);
+    gemm_operands<float> p(nt, 1024, 256, 256, 0, 77);
     std::vector<float> serial = p.c;
     run(nt, false, p, serial.data(), 0.0f, 1.0f);
     std::vector<float> c[2] = {p.c, p.c};
@@ -194,9 +181,9 @@ TEST_CASE("gemm: called from inside a parallel region, each call runs on its own
 }
 
 TEST_CASE("gemm: a steady-state large GEMM allocates nothing, on 1 and 2 threads") {
-    problem<float> p(nn, 1024, 256, 256, 0, 90);
-    problem<float> q(tn, 256, 256, 1024, 0, 91);
-    problem<float> r(nt, 1024, 512, 256, 0, 92);
+    gemm_operands<float> p(nn, 1024, 256, 256, 0, 90);
+    gemm_operands<float> q(tn, 256, 256, 1024, 0, 91);
+    gemm_operands<float> r(nt, 1024, 512, 256, 0, 92);
     std::vector<float> c(1024 * 512);
     const int saved = omp_get_max_threads();
     for (int t : {1, 2}) {

@@ -28,24 +28,16 @@ using GP = mnemo::cpu_kernels::gemm_packed;
 
 namespace {
 
-enum form { nn, nt, tn };
-const char* form_name(form f) { return f == nn ? "nn" : f == nt ? "nt" : "tn"; }
+using mnemo::testing::form_name;
+using mnemo::testing::gemm_form;
+using mnemo::testing::nn;
+using mnemo::testing::nt;
+using mnemo::testing::tn;
 
 /// Operands of one product, rows padded by `pad` elements past what they need (filled with
-/// sentinels, to see that C's padding is left alone).
-struct problem {
-    form f;
-    index_t m, n, k, lda, ldb, ldc;
-    std::vector<float> a, b, c;
-    problem(form f_, index_t m_, index_t n_, index_t k_, index_t pad, std::uint64_t seed)
-        : f(f_), m(m_), n(n_), k(k_) {
-        lda = (f == tn ? m : k) + pad;
-        ldb = (f == nt ? k : n) + pad;
-        ldc = n + pad;
-        a = mnemo::testing::random_vector<float>((f == tn ? k : m) * lda, seed);
-        b = mnemo::testing::random_vector<float>((f == nt ? n : k) * ldb, seed + 1);
-        c = mnemo::testing::random_vector<float>(m * ldc, seed + 2);
-    }
+/// sentinels, to see that C's padding is left alone), and the checks of the packed GEMM on them.
+struct problem : mnemo::testing::gemm_operands<float> {
+    using gemm_operands::gemm_operands;
     double a_at(index_t i, index_t p) const { return f == tn ? a[p * lda + i] : a[i * lda + p]; }
     double b_at(index_t p, index_t j) const { return f == nt ? b[j * ldb + p] : b[p * ldb + j]; }
 
@@ -115,7 +107,7 @@ TEST_CASE("gemm_packed: every shape from 1 to 70 on each side, strided, against 
     // Each of m, n and k runs through 1..70 against the other two drawn from it in different orders:
     // every partial tile (rows mod 14, columns mod 32) and K depths not a multiple of 16.
     std::uint64_t seed = 1;
-    for (form f : {nn, nt, tn})
+    for (gemm_form f : {nn, nt, tn})
         for (index_t t = 0; t < 70; ++t) {
             const index_t x = 1 + t, y = 1 + (t * 17 + 5) % 70, z = 1 + (t * 29 + 11) % 70;
             for (auto [m, n, k] : {std::array<index_t, 3>{x, y, z}, {z, x, y}, {y, z, x}}) {
@@ -135,7 +127,7 @@ TEST_CASE("gemm_packed: shapes that cross blocks, on 1 to 3 threads") {
         index_t m, n, k;
     };
     std::uint64_t seed = 500;
-    for (form f : {nn, nt, tn})
+    for (gemm_form f : {nn, nt, tn})
         for (auto [m, n, k] : {shape{97, 70, 1100}, shape{600, 45, 37}, shape{30, 2100, 40}, shape{20, 4100, 700},
                                shape{1000, 250, 130}}) {
             const problem p(f, m, n, k, 3, seed += 3);
@@ -145,7 +137,7 @@ TEST_CASE("gemm_packed: shapes that cross blocks, on 1 to 3 threads") {
 }
 
 TEST_CASE("gemm_packed: k = 0 scales C by beta (beta 0 clears it, NaN or not)") {
-    for (form f : {nn, nt, tn}) {
+    for (gemm_form f : {nn, nt, tn}) {
         const problem p(f, 20, 40, 0, 2, 900);
         for (float beta : {0.0f, 1.0f, 0.5f}) {
             std::vector<float> out = p.c;
@@ -163,7 +155,7 @@ TEST_CASE("gemm_packed: the same bits on 1, 2 and 3 threads, shared or private B
         index_t m, n, k;
     };
     std::uint64_t seed = 700;
-    for (form f : {nn, nt, tn})
+    for (gemm_form f : {nn, nt, tn})
         for (auto [m, n, k] : {shape{1024, 256, 256}, shape{256, 1024, 1024}, shape{513, 77, 2049}, shape{301, 4100, 700},
                                shape{29, 300, 600}}) {
             for (float beta : {0.0f, 1.0f}) {

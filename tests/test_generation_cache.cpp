@@ -12,26 +12,13 @@
 
 #include "testing.hpp"
 
+using mnemo::testing::max_diff;
+using mnemo::testing::random_tokens;
+
 namespace {
 
 template <class T>
 using model_t = mnemo::compressive_transformer<T, mnemo::config<16, 2, 2>>;
-
-std::vector<mnemo::token_t> tokens(std::uint64_t seed, std::size_t n, mnemo::index_t vocab) {
-    mnemo::rng r(seed);
-    std::vector<mnemo::token_t> t(n);
-    for (auto& x : t) x = mnemo::token_t(r.next_u32() % std::uint32_t(vocab));
-    return t;
-}
-
-template <class T>
-double max_diff(mnemo::view<const T, mnemo::dynamic> a, mnemo::view<const T, mnemo::dynamic> b) {
-    REQUIRE(a.rows() == b.rows());
-    double m = 0;
-    for (mnemo::index_t i = 0; i < a.rows(); ++i)
-        for (mnemo::index_t j = 0; j < a.cols(); ++j) m = std::max(m, std::abs(double(a.row(i)[j]) - double(b.row(i)[j])));
-    return m;
-}
 
 // no_grad: the cached model generates with gradients disabled (it then normalises only the memory rows
 // it does not reuse) and enables them for its training step.
@@ -54,18 +41,18 @@ void run_twins(double tolerance, bool no_grad = false) {
     std::uint64_t seed = 100;
     for (int round = 0; round < 3; ++round) {
         for (mnemo::index_t q : lengths) {
-            const auto t = tokens(seed++, std::size_t(q * batch), vocab);
+            const auto t = random_tokens(q * batch, vocab, seed++);
             auto lc = cached.forward(t, batch, mem_c);
             auto lp = plain.forward(t, batch, mem_p);
             INFO("round " << round << ", segment of " << q << ", memory " << mem_p.mem_slots() << " + "
                           << mem_p.c_mem_slots() << " compressed");
-            CHECK(max_diff<T>(lc, lp) <= tolerance);
+            CHECK(max_diff(lc, lp) <= tolerance);
             cached.update_memory(mem_c);
             plain.update_memory(mem_p);
         }
         REQUIRE(mem_p.c_mem_slots() == 4);  // compression and truncation of the compressed memory happened
         if (round == 0) {  // a training step changes every parameter: the cache must not be used after it
-            const auto t = tokens(seed++, std::size_t(2 * batch), vocab), y = tokens(seed++, std::size_t(2 * batch), vocab);
+            const auto t = random_tokens(2 * batch, vocab, seed++), y = random_tokens(2 * batch, vocab, seed++);
             for (auto* m : {&cached, &plain}) m->parameters().zero_grad();
             cached.set_grad_enabled(true);
             cached.train_segment(t, y, batch, mem_c);
@@ -101,10 +88,10 @@ TEST_CASE("generation cache: a long stream of single tokens (the cached rows' wi
     mem_p.reset(batch, 1);
     double worst = 0;
     for (int step = 0; step < 300; ++step) {
-        const auto t = tokens(std::uint64_t(1000 + step), std::size_t(batch), vocab);
+        const auto t = random_tokens(batch, vocab, std::uint64_t(1000 + step));
         auto lc = cached.forward(t, batch, mem_c);
         auto lp = plain.forward(t, batch, mem_p);
-        worst = std::max(worst, max_diff<double>(lc, lp));
+        worst = std::max(worst, max_diff(lc, lp));
         cached.update_memory(mem_c);
         plain.update_memory(mem_p);
     }
@@ -124,7 +111,7 @@ TEST_CASE("set_grad_enabled(false): backward and train_segment after such a forw
     model.reset_parameters(4);
     auto mem = model.make_memory(4, 2);
     mem.reset(batch, 2);
-    const auto t = tokens(5, 2 * batch, vocab), y = tokens(6, 2 * batch, vocab);
+    const auto t = random_tokens(2 * batch, vocab, 5), y = random_tokens(2 * batch, vocab, 6);
     model.set_grad_enabled(false);
     CHECK_FALSE(model.grad_enabled());
     model.forward(t, batch, mem);
@@ -146,7 +133,7 @@ TEST_CASE("generation cache: a parameter written through values() is seen") {
     cached.cache_memory_projections(true);
     auto mem_c = cached.make_memory(4, 2), mem_p = plain.make_memory(4, 2);
     for (int i = 0; i < 6; ++i) {
-        const auto t = tokens(std::uint64_t(i), 1, vocab);
+        const auto t = random_tokens(1, vocab, std::uint64_t(i));
         cached.forward(t, 1, mem_c);
         plain.forward(t, 1, mem_p);
         cached.update_memory(mem_c);
@@ -159,6 +146,6 @@ TEST_CASE("generation cache: a parameter written through values() is seen") {
         double* v = m->parameters().values() + e->offset;
         for (mnemo::index_t i = 0; i < e->size; ++i) v[i] *= 1.5;
     }
-    const auto t = tokens(77, 1, vocab);
-    CHECK(max_diff<double>(cached.forward(t, 1, mem_c), plain.forward(t, 1, mem_p)) <= 1e-12);
+    const auto t = random_tokens(1, vocab, 77);
+    CHECK(max_diff(cached.forward(t, 1, mem_c), plain.forward(t, 1, mem_p)) <= 1e-12);
 }

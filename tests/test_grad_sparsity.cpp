@@ -19,18 +19,15 @@
 #include <mnemo/train/clip.hpp>
 #include <mnemo/train/optimizer.hpp>
 
-#include "testing.hpp"
+#include "gradcheck.hpp"
 
 using mnemo::flat_range;
 using mnemo::grad_sparsity;
 using mnemo::index_t;
+using mnemo::testing::randomize_parameters;
+using mnemo::testing::same_bits;
 
 namespace {
-
-template <class T>
-bool same_bits(const T* a, const T* b, index_t n) {
-    return std::memcmp(a, b, sizeof(T) * static_cast<std::size_t>(n)) == 0;
-}
 
 template <class T>
 index_t live_elements(const mnemo::parameter_set<T>& ps) {
@@ -61,10 +58,7 @@ struct model_like {
         }
         dense.push_back(ps.declare("gen", {5, 3}));
         ps.allocate();
-        mnemo::rng r(21);
-        T* v = ps.values();
-        for (const auto& e : ps.entries())
-            for (index_t i = 0; i < e.size; ++i) v[e.offset + i] = T(r.uniform(-1, 1));
+        randomize_parameters(ps, 21);
     }
 
     // One backward pass: random gradient added to every dense tensor and to rows [lo, hi) of every table,

@@ -6,8 +6,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
-#include <functional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -20,8 +18,10 @@
 
 using mnemo::index_t;
 using mnemo::view;
+using mnemo::testing::check_accumulates;
 using mnemo::testing::check_close;
 using mnemo::testing::check_gradients;
+using mnemo::testing::meta_int;
 using mnemo::testing::parameter_targets;
 using mnemo::testing::project;
 using mnemo::testing::random_vector;
@@ -61,19 +61,6 @@ std::vector<double> reference_of(const mnemo::gru_gate<double, D>& gru, index_t 
                                  const std::vector<double>& y) {
     return reference_gru(rows, index_t(D), x, y, gru.weight_ih().value(), gru.weight_hh().value(),
                          gru.bias_ih().value(), gru.bias_hh().value());
-}
-
-// Runs backward twice around pre-filled gradients: the result must be prefill + the clean gradient.
-void check_accumulates(mnemo::parameter_set<double>& ps, const std::function<void()>& backward) {
-    ps.zero_grad();
-    backward();
-    std::vector<double> clean(ps.grads(), ps.grads() + ps.size());
-    auto prefill = random_vector<double>(ps.size(), 99);
-    std::memcpy(ps.grads(), prefill.data(), sizeof(double) * prefill.size());
-    backward();
-    std::vector<double> expected(clean.size());
-    for (std::size_t i = 0; i < clean.size(); ++i) expected[i] = prefill[i] + clean[i];
-    check_close("accumulated parameter gradients", ps.grads(), expected.data(), ps.size(), 1e-14, 1e-14);
 }
 
 }  // namespace
@@ -302,8 +289,8 @@ template <class T>
 void check_golden(double atol, double rtol) {
     const auto f = mnemo::read_safetensors(std::string(MNEMO_TEST_DATA_DIR) + "/golden/gru_gate.safetensors");
     constexpr std::size_t D = 8;
-    REQUIRE(std::stoll(f.metadata().at("d_model")) == index_t(D));
-    const index_t rows = std::stoll(f.metadata().at("rows"));
+    REQUIRE(meta_int(f, "d_model") == index_t(D));
+    const index_t rows = meta_int(f, "rows");
     mnemo::parameter_set<T> ps;
     mnemo::gru_gate<T, D> gru(ps, "gru");
     ps.allocate();

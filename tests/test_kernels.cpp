@@ -17,6 +17,7 @@
 using mnemo::index_t;
 using K = mnemo::ops<mnemo::cpu>;
 using mnemo::testing::check_close;
+using mnemo::testing::random_tokens;
 using mnemo::testing::random_vector;
 
 namespace {
@@ -361,9 +362,7 @@ TEST_CASE("cross_entropy: fused and split forms match a naive log-softmax, with 
     for (index_t vocab : {1, 5, 16, 65, 257}) {
         const index_t rows = 13;
         auto x = random_vector<double>(rows * vocab, 600 + vocab, -6, 6);
-        std::vector<int> t(rows);
-        mnemo::rng r(vocab);
-        for (auto& v : t) v = static_cast<int>(r.next_u32() % static_cast<std::uint32_t>(vocab));
+        auto t = random_tokens(rows, vocab, std::uint64_t(vocab));
         t[3] = -100;  // ignored
         std::vector<double> losses(rows), lse(rows), dx(x.size()), losses2(rows), dx2(x.size());
         K::cross_entropy_check_targets(rows, vocab, t.data());

@@ -4,7 +4,6 @@
 
 #include <omp.h>
 
-#include <cstring>
 #include <vector>
 
 #include <mnemo/mnemo.hpp>
@@ -13,6 +12,7 @@
 
 using mnemo::index_t;
 using mnemo::view;
+using mnemo::testing::check_accumulates;
 using mnemo::testing::check_close;
 using mnemo::testing::check_gradients;
 using mnemo::testing::grad_target;
@@ -20,24 +20,6 @@ using mnemo::testing::parameter_targets;
 using mnemo::testing::project;
 using mnemo::testing::random_vector;
 using mnemo::testing::randomize_parameters;
-
-namespace {
-
-
-// Runs backward twice around pre-filled gradients: the result must be prefill + the clean gradient.
-void check_accumulates(mnemo::parameter_set<double>& ps, const std::function<void()>& backward) {
-    ps.zero_grad();
-    backward();
-    std::vector<double> clean(ps.grads(), ps.grads() + ps.size());
-    auto prefill = random_vector<double>(ps.size(), 99);
-    std::memcpy(ps.grads(), prefill.data(), sizeof(double) * prefill.size());
-    backward();
-    std::vector<double> expected(clean.size());
-    for (std::size_t i = 0; i < clean.size(); ++i) expected[i] = prefill[i] + clean[i];
-    check_close("accumulated parameter gradients", ps.grads(), expected.data(), ps.size(), 1e-14, 1e-14);
-}
-
-}  // namespace
 
 TEST_CASE("linear: backward matches finite differences (with and without bias)") {
     for (bool bias : {true, false}) {

@@ -15,6 +15,7 @@ using mnemo::index_t;
 using mnemo::token_t;
 using mnemo::view;
 using mnemo::testing::check_gradients;
+using mnemo::testing::max_diff;
 using mnemo::testing::parameter_targets;
 using mnemo::testing::random_tokens;
 using mnemo::testing::random_vector;
@@ -39,13 +40,6 @@ V segment_of(const std::vector<V>& streams, index_t from, index_t q) {
 std::vector<double> logits_row(const model_t& m, index_t r) {
     const auto l = m.logits();
     return std::vector<double>(l.row(r), l.row(r) + l.cols());
-}
-
-double max_diff(const std::vector<double>& a, const std::vector<double>& b) {
-    REQUIRE(a.size() == b.size());
-    double d = 0;
-    for (std::size_t i = 0; i < a.size(); ++i) d = std::max(d, std::abs(a[i] - b[i]));
-    return d;
 }
 
 bool all_finite(const model_t& m) {
