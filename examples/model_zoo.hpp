@@ -207,18 +207,16 @@ constexpr bool has_extra_compression() {
     return false;
 }
 
-/// The configurations compiled with dilated and most-used compression, for error messages.
-inline std::string extra_compression_configs() {
-    std::ostringstream os;
-#define MNEMO_LIST_EXTRA_CONFIG(D, H, C) os << "  d_model " << D << ", heads " << H << ", compression rate " << C << "\n";
-    MNEMO_EXAMPLE_EXTRA_COMPRESSION_CONFIGS(MNEMO_LIST_EXTRA_CONFIG)
-#undef MNEMO_LIST_EXTRA_CONFIG
-    return os.str();
-}
+/// Why a shape runs the runtime-shape model (with_runtime_shape's note says it).
+enum class runtime_shape_reason {
+    not_compiled_in,    // no line of MNEMO_EXAMPLE_CONFIGS
+    extra_compression,  // a line of it, but dilated / most-used are compiled for fewer
+    forced              // MNEMO_FORCE_DYNAMIC
+};
 
 template <class F>
 decltype(auto) with_runtime_shape(index_t d_model, index_t heads, index_t rate, model_kind kind, compression_kind comp,
-                                  F&& f, const char* why);
+                                  F&& f, runtime_shape_reason why);
 
 /// with_model's dilated / most-used branch for config (D, H, C): instantiated only for the lines of
 /// MNEMO_EXAMPLE_EXTRA_COMPRESSION_CONFIGS; the others run the runtime-shape model.
@@ -239,7 +237,7 @@ auto with_extra_compression(compression_kind comp, F&& f)
                          "(attention_weights()), which this build of mnemo does not have");
     } else {
         return with_runtime_shape(index_t(D), index_t(H), index_t(C), model_kind::compressive, comp, f,
-                                  "extra compression");
+                                  runtime_shape_reason::extra_compression);
     }
 }
 
@@ -273,30 +271,30 @@ inline bool& runtime_shape_noted() {
 
 /// with_model's fallback: f.template operator()<Model>() with the runtime-shape model of `kind` and
 /// `comp` (one instantiation each, whatever the shape), after checking the shape; says once per
-/// program, on stderr, that this shape runs the generic kernels and which shapes are compiled in.
-/// `why`: "not compiled in", "extra compression" (compiled in, but not with dilated / most-used) or
-/// "forced" (MNEMO_FORCE_DYNAMIC).
+/// program, on stderr, that this shape runs the generic kernels, and why (which shapes are compiled in).
 template <class F>
 decltype(auto) with_runtime_shape(index_t d_model, index_t heads, index_t rate, model_kind kind, compression_kind comp,
-                                  F&& f, const char* why) {
+                                  F&& f, runtime_shape_reason why) {
     const bool compresses = kind == model_kind::compressive;
     if (heads < 1) detail::fail("heads must be at least 1, got ", heads);
     if (d_model < 1 || d_model % heads != 0)
-        detail::fail("d_model ", d_model, " does not split into ", heads, " heads (d_model must be a multiple of heads)");
+        detail::fail("d_model ", d_model, " does not split into ", heads,
+                     " heads (d_model must be a multiple of heads)");
     if (compresses && rate < 1) detail::fail("the compression rate must be at least 1, got ", rate);
     if (compresses && comp == compression_kind::dilated && (rate < 2 || (rate & (rate - 1)) != 0))
         detail::fail("--compression dilated needs a compression rate that is a power of two >= 2, got ", rate);
     const model_shape shape{d_model, heads, compresses ? rate : 1};
     if (!runtime_shape_noted()) {
         runtime_shape_noted() = true;
-        const std::string what = "d_model " + std::to_string(d_model) + ", heads " + std::to_string(heads) +
-                                 (compresses ? ", compression rate " + std::to_string(rate) : std::string()) + " (" +
-                                 name(kind) + (compresses ? std::string(", ") + name(comp) : std::string()) + ")";
-        const std::string reason = std::string(why) == "forced" ? "MNEMO_FORCE_DYNAMIC is set"
-                                   : std::string(why) == "extra compression"
-                                       ? std::string("--compression ") + name(comp) + " is compiled in for " +
-                                             compiled_in_shapes(true) + " only"
-                                       : "compiled in: " + compiled_in_shapes(false);
+        std::string what = "d_model " + std::to_string(d_model) + ", heads " + std::to_string(heads);
+        if (compresses) what += ", compression rate " + std::to_string(rate);
+        what += std::string(" (") + name(kind) + (compresses ? std::string(", ") + name(comp) : std::string()) + ")";
+        const std::string reason =
+            why == runtime_shape_reason::forced ? std::string("MNEMO_FORCE_DYNAMIC is set")
+            : why == runtime_shape_reason::extra_compression
+                ? std::string("--compression ") + name(comp) + " is compiled in for " + compiled_in_shapes(true) +
+                      " only"
+                : "compiled in: " + compiled_in_shapes(false);
         std::fprintf(stderr,
                      "mnemo: note: %s runs the generic kernels (runtime shape, slower than a compiled-in one; %s; "
                      "d_model/heads/rate, see examples/model_zoo.hpp)\n",
@@ -310,28 +308,27 @@ decltype(auto) with_runtime_shape(index_t d_model, index_t heads, index_t rate, 
         scope(const scope&) = delete;
         scope& operator=(const scope&) = delete;
     } in_scope(&shape);
+    // One instantiation per model kind and compression function.
     using dyn = runtime_config;
+    auto run = [&]<class Base>() { return f.template operator()<runtime_shape_model<Base>>(); };
     switch (kind) {
-        case model_kind::xl:
-            return f.template operator()<runtime_shape_model<compressive_transformer<float, dyn, no_compression>>>();
-        case model_kind::feedback:
-            return f.template operator()<runtime_shape_model<feedback_transformer<float, dyn, per_layer_kv>>>();
-        case model_kind::feedback_kv:
-            return f.template operator()<runtime_shape_model<feedback_transformer<float, dyn, shared_kv>>>();
+        case model_kind::xl: return run.template operator()<compressive_transformer<float, dyn, no_compression>>();
+        case model_kind::feedback: return run.template operator()<feedback_transformer<float, dyn, per_layer_kv>>();
+        case model_kind::feedback_kv: return run.template operator()<feedback_transformer<float, dyn, shared_kv>>();
         case model_kind::compressive: break;
     }
     switch (comp) {
         case compression_kind::conv:
-            return f.template operator()<runtime_shape_model<compressive_transformer<float, dyn, conv_compression>>>();
+            return run.template operator()<compressive_transformer<float, dyn, conv_compression>>();
         case compression_kind::max:
-            return f.template operator()<runtime_shape_model<compressive_transformer<float, dyn, max_pool_compression>>>();
+            return run.template operator()<compressive_transformer<float, dyn, max_pool_compression>>();
         case compression_kind::mean:
-            return f.template operator()<runtime_shape_model<compressive_transformer<float, dyn, mean_pool_compression>>>();
+            return run.template operator()<compressive_transformer<float, dyn, mean_pool_compression>>();
         case compression_kind::dilated:
-            return f.template operator()<runtime_shape_model<compressive_transformer<float, dyn, dilated_conv_compression>>>();
+            return run.template operator()<compressive_transformer<float, dyn, dilated_conv_compression>>();
         case compression_kind::most_used: break;
     }
-    return f.template operator()<runtime_shape_model<compressive_transformer<float, dyn, most_used_compression>>>();
+    return run.template operator()<compressive_transformer<float, dyn, most_used_compression>>();
 }
 
 /// Calls f.template operator()<Model>() with the model type for (d_model, heads, rate, kind,
@@ -342,7 +339,8 @@ decltype(auto) with_runtime_shape(index_t d_model, index_t heads, index_t rate, 
 /// d_model, a rate below 1, dilated compression at a rate that is not a power of two).
 template <class F>
 decltype(auto) with_model(index_t d_model, index_t heads, index_t rate, model_kind kind, compression_kind comp, F&& f) {
-    if (force_runtime_shape()) return with_runtime_shape(d_model, heads, rate, kind, comp, f, "forced");
+    if (force_runtime_shape())
+        return with_runtime_shape(d_model, heads, rate, kind, comp, f, runtime_shape_reason::forced);
 #define MNEMO_DISPATCH_CONFIG(D, H, C)                                                                          \
     if (d_model == D && heads == H && kind == model_kind::xl)                                                 \
         return f.template operator()<compressive_transformer<float, config<D, H, 1>, no_compression>>();     \
@@ -364,7 +362,7 @@ decltype(auto) with_model(index_t d_model, index_t heads, index_t rate, model_ki
     }
     MNEMO_EXAMPLE_CONFIGS(MNEMO_DISPATCH_CONFIG)
 #undef MNEMO_DISPATCH_CONFIG
-    return with_runtime_shape(d_model, heads, rate, kind, comp, f, "not compiled in");
+    return with_runtime_shape(d_model, heads, rate, kind, comp, f, runtime_shape_reason::not_compiled_in);
 }
 
 }  // namespace mnemo::examples

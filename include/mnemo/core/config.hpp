@@ -24,7 +24,8 @@ namespace mnemo {
 namespace detail {
 template <std::size_t DModel, std::size_t Heads, std::size_t CompressionRate>
 struct expect_all_static_or_all_dynamic {
-    static constexpr bool agree = (DModel == dynamic) == (Heads == dynamic) && (Heads == dynamic) == (CompressionRate == dynamic);
+    static constexpr bool agree =
+        (DModel == dynamic) == (Heads == dynamic) && (Heads == dynamic) == (CompressionRate == dynamic);
     static_assert(agree, "mnemo: config's d_model, heads and compression rate are all static or all dynamic "
                          "(config<dynamic, dynamic, dynamic> is the runtime-shape config)");
     static constexpr bool value = true;

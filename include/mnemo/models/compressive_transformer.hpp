@@ -354,7 +354,8 @@ private:
     buffer<T> kv_in_, z_, zhat_, mean_, rstd_, attn_out_, x_mid_, z2_, ff_out_, d_mid_, dz2_, dz_, d_sub_;
 };
 
-/// Settings fixed when the model is built (the compile-time ones are in Config). Every variant is
+/// Settings fixed when the model is built (the compile-time ones are in Config; with runtime_config,
+/// d_model, heads and the compression rate are here too). Every variant is
 /// off by default: the model is then labml's pre-LN Compressive Transformer (see the top of the file).
 struct compressive_options {
     index_t vocab = 0;
@@ -760,8 +761,9 @@ private:
         MNEMO_CHECK(o.n_layers >= 1, "compressive_transformer: n_layers must be at least 1, got ", o.n_layers);
         MNEMO_CHECK(o.d_ff >= 1, "compressive_transformer: d_ff must be at least 1, got ", o.d_ff);
         MNEMO_CHECK(o.n_pos >= 1, "compressive_transformer: n_pos must be at least 1, got ", o.n_pos);
-        const model_shape shape = check_shape<Config>({o.d_model, o.heads, o.compression_rate}, "compressive_transformer",
-                                                      "compressive_options::", /*rate_required=*/can_compress);
+        const model_shape shape = check_shape<Config>({o.d_model, o.heads, o.compression_rate},
+                                                      "compressive_transformer", "compressive_options::",
+                                                      /*rate_required=*/can_compress);
         o.d_model = shape.d_model;
         o.heads = shape.heads;
         o.compression_rate = shape.compression_rate;

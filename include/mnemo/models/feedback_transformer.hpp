@@ -77,7 +77,8 @@ struct shared_kv {
     static constexpr const char* name = "feedback-kv";
 };
 
-/// Settings fixed when the model is built (the compile-time ones are in Config).
+/// Settings fixed when the model is built (the compile-time ones are in Config; with runtime_config,
+/// d_model and heads are here too).
 struct feedback_options {
     index_t vocab = 0;
     index_t n_layers = 0;
@@ -393,7 +394,8 @@ public:
         }
         // Key/value projections: one GEMM over every slot (batch-major rows; the last slot's gradient is 0).
         for (index_t i = 0; i < n_kv(); ++i) {
-            key(i).backward(cview_d(acts_.mem.data(), rows, D), cview_d(d_keys_[std::size_t(i)].data(), rows, D), view_d());
+            key(i).backward(cview_d(acts_.mem.data(), rows, D), cview_d(d_keys_[std::size_t(i)].data(), rows, D),
+                            view_d());
             value(i).backward(cview_d(acts_.mem.data(), rows, D), cview_d(d_values_[std::size_t(i)].data(), rows, D),
                               view_d());
         }
@@ -474,7 +476,8 @@ private:
         MNEMO_CHECK(o.n_pos >= 1, "feedback_transformer: n_pos must be at least 1, got ", o.n_pos);
         MNEMO_CHECK(o.grad_flush_rows >= 1, "feedback_transformer: grad_flush_rows must be at least 1, got ",
                     o.grad_flush_rows);
-        const model_shape shape = check_shape<Config>({o.d_model, o.heads, 0}, "feedback_transformer", "feedback_options::");
+        const model_shape shape =
+            check_shape<Config>({o.d_model, o.heads, 0}, "feedback_transformer", "feedback_options::");
         o.d_model = shape.d_model;
         o.heads = shape.heads;
         return o;

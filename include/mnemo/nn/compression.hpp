@@ -48,7 +48,8 @@ namespace cpu_kernels {
 struct compression {
     /// x[r, i·Rate + t] = mem[(s·Rate + t)·batch + b, i] for r = s·batch + b   (x [out_rows, d·Rate], dense)
     template <std::size_t Rate, class T>
-    static void im2col_time(index_t out_rows, index_t batch, index_t d, const T* mem, index_t ldm, T* x, index_t rate = static_cast<index_t>(Rate)) {
+    static void im2col_time(index_t out_rows, index_t batch, index_t d, const T* mem, index_t ldm, T* x,
+                            index_t rate = index_t(Rate)) {
         const index_t c = Rate != dynamic ? static_cast<index_t>(Rate) : rate;
         parallel_range(out_rows, out_rows * d * c >= 65536, [&](index_t r_begin, index_t r_end) {
         for (index_t r = r_begin; r < r_end; ++r) {
@@ -64,7 +65,8 @@ struct compression {
 
     /// The inverse of im2col_time: d_mem[(s·Rate + t)·batch + b, i] = dx[r, i·Rate + t] (assigned).
     template <std::size_t Rate, class T>
-    static void col2im_time(index_t out_rows, index_t batch, index_t d, const T* dx, T* d_mem, index_t ldm, index_t rate = static_cast<index_t>(Rate)) {
+    static void col2im_time(index_t out_rows, index_t batch, index_t d, const T* dx, T* d_mem, index_t ldm,
+                            index_t rate = index_t(Rate)) {
         const index_t c = Rate != dynamic ? static_cast<index_t>(Rate) : rate;
         parallel_range(out_rows, out_rows * d * c >= 65536, [&](index_t r_begin, index_t r_end) {
         for (index_t r = r_begin; r < r_end; ++r) {
@@ -81,7 +83,7 @@ struct compression {
     /// out[r, i] = max_t mem[(s·Rate + t)·batch + b, i]; arg[r·d + i] = the first t attaining it.
     template <std::size_t Rate, class T, class I>
     static void max_pool_time_forward(index_t out_rows, index_t batch, index_t d, const T* mem, index_t ldm, T* out,
-                                      index_t ldo, I* arg, index_t rate = static_cast<index_t>(Rate)) {
+                                      index_t ldo, I* arg, index_t rate = index_t(Rate)) {
         const index_t c = Rate != dynamic ? static_cast<index_t>(Rate) : rate;
         parallel_range(out_rows, out_rows * d * c >= 65536, [&](index_t r_begin, index_t r_end) {
         for (index_t r = r_begin; r < r_end; ++r) {
@@ -109,7 +111,7 @@ struct compression {
     /// d_mem[(s·Rate + t)·batch + b, i] = d_out[r, i] where t = arg[r·d + i], else 0 (assigned).
     template <std::size_t Rate, class T, class I>
     static void max_pool_time_backward(index_t out_rows, index_t batch, index_t d, const T* d_out, index_t ldo,
-                                       const I* arg, T* d_mem, index_t ldm, index_t rate = static_cast<index_t>(Rate)) {
+                                       const I* arg, T* d_mem, index_t ldm, index_t rate = index_t(Rate)) {
         const index_t c = Rate != dynamic ? static_cast<index_t>(Rate) : rate;
         parallel_range(out_rows, out_rows * d * c >= 65536, [&](index_t r_begin, index_t r_end) {
         for (index_t r = r_begin; r < r_end; ++r) {
@@ -127,7 +129,7 @@ struct compression {
     /// out[r, i] = (Σ_t mem[(s·Rate + t)·batch + b, i]) / Rate, summed in t order.
     template <std::size_t Rate, class T>
     static void mean_pool_time_forward(index_t out_rows, index_t batch, index_t d, const T* mem, index_t ldm, T* out,
-                                       index_t ldo, index_t rate = static_cast<index_t>(Rate)) {
+                                       index_t ldo, index_t rate = index_t(Rate)) {
         const index_t c = Rate != dynamic ? static_cast<index_t>(Rate) : rate;
         const T divisor = static_cast<T>(c);
         parallel_range(out_rows, out_rows * d * c >= 65536, [&](index_t r_begin, index_t r_end) {
@@ -148,7 +150,7 @@ struct compression {
     /// d_mem[(s·Rate + t)·batch + b, i] = d_out[r, i] / Rate for every t (assigned).
     template <std::size_t Rate, class T>
     static void mean_pool_time_backward(index_t out_rows, index_t batch, index_t d, const T* d_out, index_t ldo,
-                                        T* d_mem, index_t ldm, index_t rate = static_cast<index_t>(Rate)) {
+                                        T* d_mem, index_t ldm, index_t rate = index_t(Rate)) {
         const index_t c = Rate != dynamic ? static_cast<index_t>(Rate) : rate;
         const T divisor = static_cast<T>(c);
         parallel_range(out_rows, out_rows * d * c >= 65536, [&](index_t r_begin, index_t r_end) {

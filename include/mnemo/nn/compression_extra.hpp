@@ -98,7 +98,7 @@ struct most_used_selection {
     /// out[r, :] = mem[(s·Rate + arg[r])·batch + b, :].
     template <std::size_t Rate, class T, class I>
     static void forward(index_t out_rows, index_t batch, index_t d, const T* usage, const T* mem, index_t ldm, T* out,
-                        index_t ldo, I* arg, index_t rate = static_cast<index_t>(Rate)) {
+                        index_t ldo, I* arg, index_t rate = index_t(Rate)) {
         const index_t c = Rate != dynamic ? static_cast<index_t>(Rate) : rate;
         mnemo::detail::compression_extra_for_each(out_rows, out_rows * d >= 65536, [&](index_t r) {
             const index_t s = r / batch, b = r % batch;
@@ -121,7 +121,7 @@ struct most_used_selection {
     /// d_mem[(s·Rate + t)·batch + b, :] = d_out[r, :] where t = arg[r], else 0 (assigned).
     template <std::size_t Rate, class T, class I>
     static void backward(index_t out_rows, index_t batch, index_t d, const T* d_out, index_t ldo, const I* arg,
-                         T* d_mem, index_t ldm, index_t rate = static_cast<index_t>(Rate)) {
+                         T* d_mem, index_t ldm, index_t rate = index_t(Rate)) {
         const index_t c = Rate != dynamic ? static_cast<index_t>(Rate) : rate;
         mnemo::detail::compression_extra_for_each(out_rows, out_rows * d * c >= 65536, [&](index_t r) {
             const index_t s = r / batch, b = r % batch;

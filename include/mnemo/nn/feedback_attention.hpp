@@ -32,6 +32,7 @@
 
 #include "../core/parallel.hpp"
 #include "../core/buffer.hpp"
+#include "../core/config.hpp"
 #include "../core/rng.hpp"
 #include "../kernels/cpu/softmax.hpp"
 #include "linear.hpp"

@@ -62,6 +62,7 @@
 #include <vector>
 
 #include "../core/buffer.hpp"
+#include "../core/config.hpp"
 #include "../core/parallel.hpp"
 #include "../core/rng.hpp"
 #include "../kernels/cpu/softmax.hpp"

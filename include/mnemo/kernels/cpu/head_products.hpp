@@ -307,7 +307,8 @@ private:
                         }
                         const T* yi = yh + i * ldy;
                         B a = simd::load(xh) * simd::load(yi);
-                        for (index_t v = 1; v < V; ++v) a = xsimd::fma(simd::load(xh + v * W), simd::load(yi + v * W), a);
+                        for (index_t v = 1; v < V; ++v)
+                            a = xsimd::fma(simd::load(xh + v * W), simd::load(yi + v * W), a);
                         acc[i] = a;
                     }
                     simd::transpose_add(acc).store_aligned(sums);
