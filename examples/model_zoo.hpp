@@ -1,19 +1,28 @@
 #pragma once
-// The compiled-in model configurations of the example programs (mnemo_eval, train).
+// The model configurations of the example programs (mnemo_eval, train).
 //
-// mnemo fixes d_model, heads and the compression rate at compile time, so a program that reads them
-// from a checkpoint or the command line carries a table of configurations and picks one at run time.
-// To support another one, add ONE line to MNEMO_EXAMPLE_CONFIGS below: X(d_model, heads, rate).
-// Transformer-XL and Feedback Transformer models (no compression) use the same table, matched on
-// d_model and heads.
+// mnemo's fast path fixes d_model, heads and the compression rate at compile time, so a program that
+// reads them from a checkpoint or the command line carries a table of configurations and picks one
+// at run time: MNEMO_EXAMPLE_CONFIGS below, one line X(d_model, heads, rate) each. Transformer-XL and
+// Feedback Transformer models (no compression) use the same table, matched on d_model and heads.
+//
+// Every other shape runs the runtime-shape model (config<dynamic, dynamic, dynamic>, mnemo::
+// runtime_config): the same kernels with d_model, heads and the rate as runtime values, one
+// instantiation per model kind and compression function, whatever the shape. with_model says so on
+// stderr, once, naming the shapes compiled in; to make a shape fast, add its line to the table. The
+// environment variable MNEMO_FORCE_DYNAMIC=1 sends every shape down the runtime-shape path (to compare
+// the two, or to test it).
 //
 // The compression functions of nn/compression_extra.hpp (dilated convolutions, most-used) are compiled
 // only for the configurations of MNEMO_EXAMPLE_EXTRA_COMPRESSION_CONFIGS (the trainer's text and recall
 // defaults, and the tests'), not for every line above: each one is a whole model instantiation more.
-// The runtime variants (GRU residuals, post-LN, memory layers, the auto-encoding loss) are options of
-// compressive_options and cost no instantiation.
+// The other lines run them through the runtime-shape model. The runtime variants (GRU residuals,
+// post-LN, memory layers, the auto-encoding loss) are options of compressive_options and cost no
+// instantiation.
 #include <algorithm>
 #include <charconv>
+#include <cstdio>
+#include <cstdlib>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -145,12 +154,45 @@ inline std::string supported_configs() {
     return os.str();
 }
 
+/// The shape with_model's runtime-shape fallback is building, for runtime_shape_model's constructor:
+/// set while with_model's function runs, on this thread (null otherwise).
+inline const model_shape*& requested_runtime_shape() {
+    thread_local const model_shape* shape = nullptr;
+    return shape;
+}
+
+/// The model type with_model hands its function for a shape that is not compiled in: Base, a model
+/// over runtime_config, whose constructor takes the program's options as they are (vocab, layers, …)
+/// and adds the shape with_model was asked for (d_model, heads, the compression rate). So a program
+/// builds it exactly as it builds a compiled-in model: `Model model(options)` inside with_model's
+/// function.
+template <class Base>
+class runtime_shape_model : public Base {
+public:
+    template <class Options>
+    explicit runtime_shape_model(Options o) : Base(with_shape(std::move(o))) {}
+
+private:
+    template <class Options>
+    static Options with_shape(Options o) {
+        const model_shape* s = requested_runtime_shape();
+        MNEMO_CHECK(s != nullptr, "runtime_shape_model: built outside the function with_model called (it takes "
+                    "d_model, heads and the rate from there)");
+        o.d_model = s->d_model;
+        o.heads = s->heads;
+        if constexpr (requires { o.compression_rate; }) o.compression_rate = s->compression_rate;
+        return o;
+    }
+};
+
 /// Whether Model is a Feedback Transformer (callers branch on it with `if constexpr`: its interface
 /// has no memory object).
 template <class Model>
 inline constexpr bool is_feedback_model = false;
 template <class T, class Config, class KV, class Backend>
 inline constexpr bool is_feedback_model<feedback_transformer<T, Config, KV, Backend>> = true;
+template <class Base>
+inline constexpr bool is_feedback_model<runtime_shape_model<Base>> = is_feedback_model<Base>;
 
 template <class A>
 concept has_attention_weights = requires(const A& a) { a.attention_weights(); };
@@ -165,17 +207,19 @@ constexpr bool has_extra_compression() {
     return false;
 }
 
-/// The configurations compiled with dilated and most-used compression, for error messages.
-inline std::string extra_compression_configs() {
-    std::ostringstream os;
-#define MNEMO_LIST_EXTRA_CONFIG(D, H, C) os << "  d_model " << D << ", heads " << H << ", compression rate " << C << "\n";
-    MNEMO_EXAMPLE_EXTRA_COMPRESSION_CONFIGS(MNEMO_LIST_EXTRA_CONFIG)
-#undef MNEMO_LIST_EXTRA_CONFIG
-    return os.str();
-}
+/// Why a shape runs the runtime-shape model (with_runtime_shape's note says it).
+enum class runtime_shape_reason {
+    not_compiled_in,    // no line of MNEMO_EXAMPLE_CONFIGS
+    extra_compression,  // a line of it, but dilated / most-used are compiled for fewer
+    forced              // MNEMO_FORCE_DYNAMIC
+};
+
+template <class F>
+decltype(auto) with_runtime_shape(index_t d_model, index_t heads, index_t rate, model_kind kind, compression_kind comp,
+                                  F&& f, runtime_shape_reason why);
 
 /// with_model's dilated / most-used branch for config (D, H, C): instantiated only for the lines of
-/// MNEMO_EXAMPLE_EXTRA_COMPRESSION_CONFIGS, an error for the others.
+/// MNEMO_EXAMPLE_EXTRA_COMPRESSION_CONFIGS; the others run the runtime-shape model.
 template <std::size_t D, std::size_t H, std::size_t C, class F>
 auto with_extra_compression(compression_kind comp, F&& f)
     -> decltype(f.template operator()<compressive_transformer<float, config<D, H, C>, conv_compression>>()) {
@@ -192,18 +236,111 @@ auto with_extra_compression(compression_kind comp, F&& f)
             detail::fail("--compression most-used needs the attention weights of relative_attention "
                          "(attention_weights()), which this build of mnemo does not have");
     } else {
-        detail::fail("--compression ", name(comp), " is compiled only for these configurations:\n",
-                     extra_compression_configs(), "not for d_model ", D, ", heads ", H, ", compression rate ", C,
-                     ". To add one, add the line X(", D, ", ", H, ", ", C,
-                     ") to MNEMO_EXAMPLE_EXTRA_COMPRESSION_CONFIGS in examples/model_zoo.hpp and rebuild.");
+        return with_runtime_shape(index_t(D), index_t(H), index_t(C), model_kind::compressive, comp, f,
+                                  runtime_shape_reason::extra_compression);
     }
+}
+
+/// The compiled-in shapes in one line, "128/4/2, 256/8/4, …" (d_model/heads/rate).
+inline std::string compiled_in_shapes(bool extra_compression) {
+    std::ostringstream os;
+    const char* sep = "";
+#define MNEMO_LIST_SHAPE(D, H, C) \
+    os << sep << D << "/" << H << "/" << C; \
+    sep = ", ";
+    if (extra_compression) {
+        MNEMO_EXAMPLE_EXTRA_COMPRESSION_CONFIGS(MNEMO_LIST_SHAPE)
+    } else {
+        MNEMO_EXAMPLE_CONFIGS(MNEMO_LIST_SHAPE)
+    }
+#undef MNEMO_LIST_SHAPE
+    return os.str();
+}
+
+/// MNEMO_FORCE_DYNAMIC set (and not "0"): every shape runs the runtime-shape model.
+inline bool force_runtime_shape() {
+    const char* v = std::getenv("MNEMO_FORCE_DYNAMIC");
+    return v != nullptr && *v != '\0' && std::string(v) != "0";
+}
+
+/// Whether the runtime-shape note was printed (once per program, whatever with_model is called with).
+inline bool& runtime_shape_noted() {
+    static bool said = false;
+    return said;
+}
+
+/// with_model's fallback: f.template operator()<Model>() with the runtime-shape model of `kind` and
+/// `comp` (one instantiation each, whatever the shape), after checking the shape; says once per
+/// program, on stderr, that this shape runs the generic kernels, and why (which shapes are compiled in).
+template <class F>
+decltype(auto) with_runtime_shape(index_t d_model, index_t heads, index_t rate, model_kind kind, compression_kind comp,
+                                  F&& f, runtime_shape_reason why) {
+    const bool compresses = kind == model_kind::compressive;
+    if (heads < 1) detail::fail("heads must be at least 1, got ", heads);
+    if (d_model < 1 || d_model % heads != 0)
+        detail::fail("d_model ", d_model, " does not split into ", heads,
+                     " heads (d_model must be a multiple of heads)");
+    if (compresses && rate < 1) detail::fail("the compression rate must be at least 1, got ", rate);
+    if (compresses && comp == compression_kind::dilated && (rate < 2 || (rate & (rate - 1)) != 0))
+        detail::fail("--compression dilated needs a compression rate that is a power of two >= 2, got ", rate);
+    const model_shape shape{d_model, heads, compresses ? rate : 1};
+    if (!runtime_shape_noted()) {
+        runtime_shape_noted() = true;
+        std::string what = "d_model " + std::to_string(d_model) + ", heads " + std::to_string(heads);
+        if (compresses) what += ", compression rate " + std::to_string(rate);
+        what += std::string(" (") + name(kind) + (compresses ? std::string(", ") + name(comp) : std::string()) + ")";
+        const std::string reason =
+            why == runtime_shape_reason::forced ? std::string("MNEMO_FORCE_DYNAMIC is set")
+            : why == runtime_shape_reason::extra_compression
+                ? std::string("--compression ") + name(comp) + " is compiled in for " + compiled_in_shapes(true) +
+                      " only"
+                : "compiled in: " + compiled_in_shapes(false);
+        std::fprintf(stderr,
+                     "mnemo: note: %s runs the generic kernels (runtime shape, slower than a compiled-in one; %s; "
+                     "d_model/heads/rate, see examples/model_zoo.hpp)\n",
+                     what.c_str(), reason.c_str());
+    }
+    // The shape runtime_shape_model's constructor reads, while f runs.
+    struct scope {
+        const model_shape* saved = requested_runtime_shape();
+        explicit scope(const model_shape* s) { requested_runtime_shape() = s; }
+        ~scope() { requested_runtime_shape() = saved; }
+        scope(const scope&) = delete;
+        scope& operator=(const scope&) = delete;
+    } in_scope(&shape);
+    // One instantiation per model kind and compression function.
+    using dyn = runtime_config;
+    auto run = [&]<class Base>() { return f.template operator()<runtime_shape_model<Base>>(); };
+    switch (kind) {
+        case model_kind::xl: return run.template operator()<compressive_transformer<float, dyn, no_compression>>();
+        case model_kind::feedback: return run.template operator()<feedback_transformer<float, dyn, per_layer_kv>>();
+        case model_kind::feedback_kv: return run.template operator()<feedback_transformer<float, dyn, shared_kv>>();
+        case model_kind::compressive: break;
+    }
+    switch (comp) {
+        case compression_kind::conv:
+            return run.template operator()<compressive_transformer<float, dyn, conv_compression>>();
+        case compression_kind::max:
+            return run.template operator()<compressive_transformer<float, dyn, max_pool_compression>>();
+        case compression_kind::mean:
+            return run.template operator()<compressive_transformer<float, dyn, mean_pool_compression>>();
+        case compression_kind::dilated:
+            return run.template operator()<compressive_transformer<float, dyn, dilated_conv_compression>>();
+        case compression_kind::most_used: break;
+    }
+    return run.template operator()<compressive_transformer<float, dyn, most_used_compression>>();
 }
 
 /// Calls f.template operator()<Model>() with the model type for (d_model, heads, rate, kind,
 /// compression), T = float; Transformer-XL and the Feedback Transformers ignore rate and compression.
-/// Throws a mnemo::error listing the supported configurations otherwise.
+/// A compiled-in shape gets its own instantiation (the fast path); any other, or every one with
+/// MNEMO_FORCE_DYNAMIC=1, the runtime-shape model (with_runtime_shape), which f builds from its
+/// options as any other. Throws a mnemo::error for a shape no model can have (heads not dividing
+/// d_model, a rate below 1, dilated compression at a rate that is not a power of two).
 template <class F>
 decltype(auto) with_model(index_t d_model, index_t heads, index_t rate, model_kind kind, compression_kind comp, F&& f) {
+    if (force_runtime_shape())
+        return with_runtime_shape(d_model, heads, rate, kind, comp, f, runtime_shape_reason::forced);
 #define MNEMO_DISPATCH_CONFIG(D, H, C)                                                                          \
     if (d_model == D && heads == H && kind == model_kind::xl)                                                 \
         return f.template operator()<compressive_transformer<float, config<D, H, 1>, no_compression>>();     \
@@ -225,12 +362,7 @@ decltype(auto) with_model(index_t d_model, index_t heads, index_t rate, model_ki
     }
     MNEMO_EXAMPLE_CONFIGS(MNEMO_DISPATCH_CONFIG)
 #undef MNEMO_DISPATCH_CONFIG
-    const bool compresses = kind == model_kind::compressive;
-    detail::fail("no compiled-in configuration for d_model ", d_model, ", heads ", heads,
-                 compresses ? ", compression rate " + std::to_string(rate) : std::string(), ". Supported",
-                 compresses ? "" : " (the compression rate does not matter for this model)", ":\n",
-                 supported_configs(), "To add one, add the line X(", d_model, ", ", heads, ", ", compresses ? rate : 1,
-                 ") to MNEMO_EXAMPLE_CONFIGS in examples/model_zoo.hpp and rebuild.");
+    return with_runtime_shape(d_model, heads, rate, kind, comp, f, runtime_shape_reason::not_compiled_in);
 }
 
 }  // namespace mnemo::examples

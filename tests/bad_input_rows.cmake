@@ -106,8 +106,9 @@ bad_input(metrics_no_directory "--metrics in a directory that does not exist"
   "--metrics: cannot write '[^']*': the directory '[^']*' does not exist"
   ${TRAIN} --metrics ${W}/no/such/dir/m.jsonl)
 bad_input(int_zero_d_model "--d-model 0" "--d-model must be at least 1, got 0" ${TRAIN} --d-model 0)
-bad_input(d_model_not_compiled "--d-model 24 (no compiled-in configuration)"
-  "no compiled-in configuration for d_model 24, heads 4, compression rate 2\\. Supported:" ${TRAIN} --d-model 24 --steps 1)
+bad_input(d_model_heads_indivisible "--d-model 24 --heads 5 (heads must divide d_model)"
+  "d_model 24 does not split into 5 heads \\(d_model must be a multiple of heads\\)" ${TRAIN} --d-model 24 --heads 5
+  --steps 1)
 bad_input(eval_flag_malformed "mnemo_eval --mem-len four" "--mem-len expects an integer, got 'four'"
   ${EVAL} --checkpoint ${GOLDEN}/compressive_checkpoint.safetensors --tokens ${GOLDEN}/compressive_tokens.safetensors
   --out ${W}/eval_out.safetensors --model compressive --seq-len 4 --mem-len four --c-mem-len 3)

@@ -3,11 +3,13 @@
 // dispatch limit (16 keys for nt, 64 rows for nn and tn), odd row counts (the 2- and 4-row blocks'
 // remainders), d_k of one, two, four and eight SIMD vectors and one that is not a whole number of
 // them (the general GEMM then), strided operands with padding that must stay untouched, beta 0 over
-// NaN and beta 1, float and double.
+// NaN and beta 1, float and double. And the runtime-width overloads (a runtime-shape model's) against
+// the compile-time ones, bitwise.
 #include <doctest/doctest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -183,4 +185,80 @@ TEST_CASE("heads_dot_rows and heads_weighted_rows against a double reference") {
     check_heads<double, 4>(seed += 10);
     check_heads<double, 12>(seed += 10);
     check_heads<double, 32>(seed += 10);
+}
+
+namespace {
+
+template <class T>
+bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), sizeof(T) * a.size()) == 0;
+}
+
+// The runtime-width overloads (d_k as the first argument: a runtime-shape model's) against the
+// compile-time ones: the same dispatch and the same sums, so bitwise the same results. Except in one
+// place: heads_dot_rows' scalar tail (d_k not a whole number of SIMD vectors), a plain loop
+// t += x·y whose trip count is a constant in the compile-time kernel, which g++ (-ffp-contract=fast)
+// may then compute as a vector of products added in order, where the runtime loop fuses each step
+// into one FMA: there the two agree to float rounding (tests/test_dynamic_shape.cpp checks the models
+// bitwise in a build without contraction).
+template <class T, index_t Dk>
+void check_runtime_width(std::uint64_t seed) {
+    const index_t ld = 3 * Dk + 5;
+    for (index_t m : {1, 2, 3, 8, 16, 17, 64, 65})
+        for (index_t n : {1, 4, 7, 8, 9, 16, 17, 64, 65}) {
+            INFO("d_k " << Dk << " m " << m << " n " << n);
+            const auto x = mnemo::testing::random_vector<T>(std::max(m, n) * ld, seed++);
+            const auto y = mnemo::testing::random_vector<T>(std::max(m, n) * ld, seed++);
+            const auto a = mnemo::testing::random_vector<T>(m * (n + 3), seed++);
+            std::vector<T> s1(std::size_t(m * n)), s2(s1.size());
+            K::head_gemm_nt<Dk>(m, n, x.data(), ld, y.data(), ld, s1.data(), n);
+            K::head_gemm_nt(Dk, m, n, x.data(), ld, y.data(), ld, s2.data(), n);
+            CHECK(bitwise_equal(s1, s2));
+            for (T beta : {T(0), T(1)}) {
+                auto o1 = mnemo::testing::random_vector<T>(std::max(m, n) * ld, seed++), o2 = o1;
+                K::head_gemm_nn<Dk>(m, n, a.data(), n + 3, y.data(), ld, o1.data(), ld, beta);
+                K::head_gemm_nn(Dk, m, n, a.data(), n + 3, y.data(), ld, o2.data(), ld, beta);
+                CHECK(bitwise_equal(o1, o2));
+                K::head_gemm_tn<Dk>(m, n, a.data(), n + 3, x.data(), ld, o1.data(), ld, beta);
+                K::head_gemm_tn(Dk, m, n, a.data(), n + 3, x.data(), ld, o2.data(), ld, beta);
+                CHECK(bitwise_equal(o1, o2));
+            }
+        }
+    const index_t heads = 3, rows = 45, lds = rows + 2, lda = rows + 3;
+    const auto x = mnemo::testing::random_vector<T>(heads * Dk, seed++);
+    const auto y = mnemo::testing::random_vector<T>(rows * ld, seed++);
+    const auto a = mnemo::testing::random_vector<T>(heads * lda, seed++);
+    std::vector<T> s1(std::size_t(heads * lds)), s2(s1.size());
+    K::heads_dot_rows<Dk>(heads, 3, 40, x.data(), y.data(), ld, s1.data(), lds);
+    K::heads_dot_rows(Dk, heads, 3, 40, x.data(), y.data(), ld, s2.data(), lds);
+    INFO("d_k " << Dk << ": heads_dot_rows, heads_weighted_rows");
+    if (Dk % mnemo::simd::width<T> == 0) {
+        CHECK(bitwise_equal(s1, s2));
+    } else {
+        double worst = 0;
+        for (std::size_t i = 0; i < s1.size(); ++i)
+            worst = std::max(worst, std::fabs(double(s1[i]) - double(s2[i])) / (std::fabs(double(s1[i])) + 1e-3));
+        CHECK(worst < (sizeof(T) == 4 ? 1e-5 : 1e-13));
+    }
+    std::vector<T> o1(std::size_t(heads * Dk)), o2(o1.size());
+    K::heads_weighted_rows<Dk>(0, heads, 45, a.data(), lda, y.data(), ld, o1.data());
+    K::heads_weighted_rows(Dk, 0, heads, 45, a.data(), lda, y.data(), ld, o2.data());
+    CHECK(bitwise_equal(o1, o2));
+}
+
+}  // namespace
+
+TEST_CASE("head products with a runtime d_k: bitwise the compile-time ones") {
+    std::uint64_t seed = 5000;
+    check_runtime_width<float, 4>(seed += 1000);
+    check_runtime_width<float, 8>(seed += 1000);
+    check_runtime_width<float, 12>(seed += 1000);
+    check_runtime_width<float, 16>(seed += 1000);
+    check_runtime_width<float, 32>(seed += 1000);
+    check_runtime_width<float, 36>(seed += 1000);
+    check_runtime_width<float, 64>(seed += 1000);
+    check_runtime_width<float, 128>(seed += 1000);
+    check_runtime_width<double, 2>(seed += 1000);
+    check_runtime_width<double, 12>(seed += 1000);
+    check_runtime_width<double, 32>(seed += 1000);
 }

@@ -54,18 +54,26 @@ struct expect_compression_rate {
 };
 
 /// An extent held at compile time when static, at run time when dynamic. Empty when static.
+/// Converts to index_t implicitly, so a module can keep one as a member (`[[no_unique_address]]
+/// extent_holder<D> d_;`) and compute with it as with a constant: for a static extent the value is a
+/// compile-time constant and the code is the same as with `static constexpr index_t d_ = D`. A static
+/// holder ignores the value it is constructed from (callers check it first, see check_extent).
 template <std::size_t Extent>
 struct extent_holder {
+    static constexpr bool is_dynamic = false;
     constexpr extent_holder() = default;
     constexpr explicit extent_holder(index_t) {}
     static constexpr index_t get() { return static_cast<index_t>(Extent); }
+    constexpr operator index_t() const { return get(); }  // NOLINT(google-explicit-constructor)
 };
 template <>
 struct extent_holder<dynamic> {
+    static constexpr bool is_dynamic = true;
     index_t n = 0;
     constexpr extent_holder() = default;
     constexpr explicit extent_holder(index_t v) : n(v) {}
     constexpr index_t get() const { return n; }
+    constexpr operator index_t() const { return n; }  // NOLINT(google-explicit-constructor)
 };
 
 }  // namespace mnemo

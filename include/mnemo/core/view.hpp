@@ -28,6 +28,11 @@ public:
     constexpr view(T* data, index_t rows) requires(Features != dynamic)
         : data_(data), rows_(rows), ld_(static_cast<index_t>(Features)) {}
 
+    /// A contiguous view of `rows` rows of `cols` features, held as the module holds them: static
+    /// (the same view as the two-argument constructor's) or runtime (config<dynamic, dynamic, dynamic>).
+    constexpr view(T* data, index_t rows, extent_holder<Features> cols)
+        : data_(data), rows_(rows), cols_(cols), ld_(cols.get()) {}
+
     /// A view with explicit columns (must equal Features when static) and row stride.
     constexpr view(T* data, index_t rows, index_t cols, index_t ld = -1)
         : data_(data), rows_(rows), cols_(cols), ld_(ld < 0 ? cols : ld) {

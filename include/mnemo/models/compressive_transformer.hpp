@@ -90,6 +90,9 @@ struct compressive_layer_options {
     norm_kind norm = norm_kind::pre;
     bool memory = true;    // keeps memory: declares `compress`
     bool decoder = false;  // declares the auto-encoding decoder `decoder` (needs memory)
+    /// d_model, heads and compression rate of a runtime-shape layer (runtime_config); zeros: the
+    /// static config's own.
+    model_shape shape = {};
 };
 
 template <class T, class Config, template <class, std::size_t, std::size_t, class> class Compression,
@@ -97,7 +100,6 @@ template <class T, class Config, template <class, std::size_t, std::size_t, clas
 class compressive_layer {
     using K = ops<Backend>;
     static constexpr std::size_t DM = Config::d_model;
-    static constexpr index_t D = index_t(DM);
 
 public:
     using compression_type = Compression<T, DM, Config::compression_rate, Backend>;
@@ -107,16 +109,20 @@ public:
     compressive_layer(parameter_set<T>& ps, const std::string& prefix, index_t d_ff, index_t n_pos,
                       const compressive_layer_options& o = {})
         : options_(check(o, prefix)),
-          compress_(o.memory ? std::optional<compression_type>(std::in_place, ps, prefix + ".compress") : std::nullopt),
-          self_attn_(ps, prefix + ".self_attn", n_pos),
-          feed_forward_(ps, prefix + ".feed_forward", d_ff),
-          norm_self_attn_(ps, prefix + ".norm_self_attn"),
-          norm_ff_(ps, prefix + ".norm_ff"),
-          gate_attn_(o.residual == residual_kind::gru ? std::optional<gate_type>(std::in_place, ps, prefix + ".gate_attn")
-                                                      : std::nullopt),
-          gate_ff_(o.residual == residual_kind::gru ? std::optional<gate_type>(std::in_place, ps, prefix + ".gate_ff")
+          D(options_.shape.d_model),
+          compress_(o.memory ? std::optional<compression_type>(std::in_place, ps, prefix + ".compress", D, rate())
+                             : std::nullopt),
+          self_attn_(ps, prefix + ".self_attn", n_pos, options_.shape),
+          feed_forward_(ps, prefix + ".feed_forward", D, d_ff),
+          norm_self_attn_(ps, prefix + ".norm_self_attn", D, T(1e-5)),
+          norm_ff_(ps, prefix + ".norm_ff", D, T(1e-5)),
+          gate_attn_(o.residual == residual_kind::gru
+                         ? std::optional<gate_type>(std::in_place, ps, prefix + ".gate_attn", D)
+                         : std::nullopt),
+          gate_ff_(o.residual == residual_kind::gru ? std::optional<gate_type>(std::in_place, ps, prefix + ".gate_ff", D)
                                                     : std::nullopt),
-          decoder_(o.decoder ? std::optional<decoder_type>(std::in_place, ps, prefix + ".decoder") : std::nullopt) {}
+          decoder_(o.decoder ? std::optional<decoder_type>(std::in_place, ps, prefix + ".decoder", D, rate())
+                             : std::nullopt) {}
 
     void reset_parameters(rng& r) {
         if (compress_) compress_->reset_parameters(r);
@@ -146,7 +152,8 @@ public:
         // not read at all: only the others are normalised.
         // When the attention takes the absorbed route, which reads the memory through ẑ alone, the
         // memory rows of z are not written at all (normalised_memory_rows fills them on demand).
-        view<T, DM, Backend> x_in(kv_in_.ensure(qb * D), qb), z(z_.ensure(kb * D), kb), zhat(zhat_.ensure(lb * D), lb);
+        view<T, DM, Backend> x_in(kv_in_.ensure(qb * D), qb, D), z(z_.ensure(kb * D), kb, D),
+            zhat(zhat_.ensure(lb * D), lb, D);
         z_mem_unwritten_ = grad_enabled_ && !reuse.n && self_attn_.would_absorb(qb / batch, kb / batch);
         auto normalise_part = [&](view<const T, DM, Backend> src, index_t first, index_t b0, index_t b1) {
             if (b0 >= b1) return;  // rows [b0, b1) of z, from src, which holds z's rows from `first` on
@@ -166,8 +173,8 @@ public:
         K::copy(qb, D, x.data(), x.ld(), x_in.data(), D);
         norm_self_attn_.forward(x_in, z.row_range(lb, qb), norm_stats<T>{mean_.ensure(qb), rstd_.ensure(qb)});
 
-        view<T, DM, Backend> a(attn_out_.ensure(qb * D), qb), x_mid(x_mid_.ensure(qb * D), qb),
-            z2(z2_.ensure(qb * D), qb), f(ff_out_.ensure(qb * D), qb);
+        view<T, DM, Backend> a(attn_out_.ensure(qb * D), qb, D), x_mid(x_mid_.ensure(qb * D), qb, D),
+            z2(z2_.ensure(qb * D), qb, D), f(ff_out_.ensure(qb * D), qb, D);
         // With gradients the memory rows are ẑ∘γ + β with ẑ kept: the attention may work from ẑ (the
         // same rows backward gives it as frozen).
         frozen_key_rows<T> norm_rows;
@@ -188,12 +195,13 @@ public:
                     "(set_grad_enabled(false)); run forward again with gradients enabled");
         if (options_.norm == norm_kind::post) return backward_post(dy, dx);
         const index_t qb = dy.rows(), lb = mem_rows_, kb = lb + qb;
-        const view<T, DM, Backend> x_in(kv_in_.data(), qb), z(z_.data(), kb), x_mid(x_mid_.data(), qb),
-            z2(z2_.data(), qb);
-        view<T, DM, Backend> d_mid(d_mid_.ensure(qb * D), qb), dz2(dz2_.ensure(qb * D), qb), dz(dz_.ensure(kb * D), kb);
+        const view<T, DM, Backend> x_in(kv_in_.data(), qb, D), z(z_.data(), kb, D), x_mid(x_mid_.data(), qb, D),
+            z2(z2_.data(), qb, D);
+        view<T, DM, Backend> d_mid(d_mid_.ensure(qb * D), qb, D), dz2(dz2_.ensure(qb * D), qb, D),
+            dz(dz_.ensure(kb * D), kb, D);
         // y = x' + FFN(LN_ff(x'))   (or gate_ff(x', FFN(LN_ff(x'))))
         if (gate_ff_) {
-            view<T, DM, Backend> df(d_sub_.ensure(qb * D), qb);
+            view<T, DM, Backend> df(d_sub_.ensure(qb * D), qb, D);
             gate_ff_->backward(dy, d_mid, df);
             feed_forward_.backward(z2, df, dz2);
         } else {
@@ -204,7 +212,7 @@ public:
         // x' = x + attn(z): queries are the segment rows of z, keys and values all rows.
         view<const T, DM, Backend> da = d_mid;
         if (gate_attn_) {
-            const view<T, DM, Backend> dsub(d_sub_.ensure(qb * D), qb);
+            const view<T, DM, Backend> dsub(d_sub_.ensure(qb * D), qb, D);
             gate_attn_->backward(d_mid, dx, dsub);
             da = dsub;
         }
@@ -265,10 +273,12 @@ public:
     }
 
 private:
-    static const compressive_layer_options& check(const compressive_layer_options& o, const std::string& prefix) {
+    static compressive_layer_options check(compressive_layer_options o, const std::string& prefix) {
         MNEMO_CHECK(!o.decoder || o.memory, "compressive_layer '", prefix, "': a decoder needs a layer with memory");
+        o.shape = check_shape<Config>(o.shape, ("compressive_layer '" + prefix + "'").c_str());
         return o;
     }
+    index_t rate() const { return options_.shape.compression_rate; }
 
     /// out = x + f, or gate(x, f) (out may not alias x or f in the gate's case: the gate copies them first).
     static void join(std::optional<gate_type>& gate, view<const T, DM, Backend> x, view<const T, DM, Backend> f,
@@ -283,12 +293,12 @@ private:
         const index_t qb = x.rows(), lb = c_mem.rows() + mem.rows(), kb = lb + qb;
         batch_ = batch;
         mem_rows_ = lb;
-        view<T, DM, Backend> kv_in(kv_in_.ensure(kb * D), kb);
+        view<T, DM, Backend> kv_in(kv_in_.ensure(kb * D), kb, D);
         K::copy(c_mem.rows(), D, c_mem.data(), c_mem.ld(), kv_in.data(), D);
         K::copy(mem.rows(), D, mem.data(), mem.ld(), kv_in.row(c_mem.rows()), D);
         K::copy(qb, D, x.data(), x.ld(), kv_in.row(lb), D);
-        view<T, DM, Backend> a(attn_out_.ensure(qb * D), qb), s1(z_.ensure(qb * D), qb), x_mid(x_mid_.ensure(qb * D), qb),
-            f(ff_out_.ensure(qb * D), qb), s2(z2_.ensure(qb * D), qb);
+        view<T, DM, Backend> a(attn_out_.ensure(qb * D), qb, D), s1(z_.ensure(qb * D), qb, D),
+            x_mid(x_mid_.ensure(qb * D), qb, D), f(ff_out_.ensure(qb * D), qb, D), s2(z2_.ensure(qb * D), qb, D);
         self_attn_.forward(kv_in.row_range(lb, qb), kv_in, batch, a, reuse);
         join(gate_attn_, x, a, s1);
         norm_self_attn_.forward(s1, x_mid, norm_stats<T>{mean_.ensure(qb), rstd_.ensure(qb)});
@@ -299,10 +309,10 @@ private:
 
     void backward_post(view<const T, DM, Backend> dy, view<T, DM, Backend> dx) {
         const index_t qb = dy.rows(), lb = mem_rows_, kb = lb + qb;
-        const view<T, DM, Backend> kv_in(kv_in_.data(), kb), s1(z_.data(), qb), x_mid(x_mid_.data(), qb),
-            s2(z2_.data(), qb);
-        view<T, DM, Backend> d_mid(d_mid_.ensure(qb * D), qb), ds(dz2_.ensure(qb * D), qb), dkv(dz_.ensure(kb * D), kb),
-            dsub(d_sub_.ensure(qb * D), qb);
+        const view<T, DM, Backend> kv_in(kv_in_.data(), kb, D), s1(z_.data(), qb, D), x_mid(x_mid_.data(), qb, D),
+            s2(z2_.data(), qb, D);
+        view<T, DM, Backend> d_mid(d_mid_.ensure(qb * D), qb, D), ds(dz2_.ensure(qb * D), qb, D),
+            dkv(dz_.ensure(kb * D), kb, D), dsub(d_sub_.ensure(qb * D), qb, D);
         // y = LN_ff(s2), s2 = x' ⊕ f, f = FFN(x')
         norm_ff_.backward(s2, dy, ds);
         view<const T, DM, Backend> df = ds;
@@ -328,7 +338,8 @@ private:
         K::add(qb, D, dx.data(), dx.ld(), dkv.row(lb), D, dx.data(), dx.ld());
     }
 
-    compressive_layer_options options_;
+    compressive_layer_options options_;  // its shape checked (a static config's own filled in)
+    [[no_unique_address]] extent_holder<DM> D;  // d_model: a constant for a static config
     std::optional<compression_type> compress_;  // memory layers only
     relative_attention<T, Config, Backend> self_attn_;
     feed_forward<T, DM, dynamic, relu, Backend> feed_forward_;
@@ -343,7 +354,8 @@ private:
     buffer<T> kv_in_, z_, zhat_, mean_, rstd_, attn_out_, x_mid_, z2_, ff_out_, d_mid_, dz2_, dz_, d_sub_;
 };
 
-/// Settings fixed when the model is built (the compile-time ones are in Config). Every variant is
+/// Settings fixed when the model is built (the compile-time ones are in Config; with runtime_config,
+/// d_model, heads and the compression rate are here too). Every variant is
 /// off by default: the model is then labml's pre-LN Compressive Transformer (see the top of the file).
 struct compressive_options {
     index_t vocab = 0;
@@ -355,6 +367,12 @@ struct compressive_options {
     /// The layers that keep memory (any order, no repeats); empty: every layer.
     std::vector<index_t> memory_layers = {};
     reconstruction_kind reconstruction = reconstruction_kind::attention;
+    /// The shape of a runtime-shape model (config<dynamic, dynamic, dynamic>): d_model and heads (>= 1,
+    /// heads dividing d_model) and the compression rate (>= 1; Transformer-XL: 0 means 1). For a
+    /// static config, 0 (its own) or its own value; the model's options() report its own.
+    index_t d_model = 0;
+    index_t heads = 0;
+    index_t compression_rate = 0;
 };
 
 /// Losses of one segment.
@@ -375,7 +393,11 @@ class compressive_memory_with_usage : public compressive_memory<T, D, Backend> {
 
 public:
     compressive_memory_with_usage(index_t n_layers, index_t mem_len, index_t c_mem_len, index_t rate)
-        : base(n_layers, mem_len, c_mem_len, rate), usage_(std::size_t(n_layers)) {}
+        requires(D != dynamic)
+        : compressive_memory_with_usage(n_layers, mem_len, c_mem_len, rate, static_cast<index_t>(D)) {}
+    /// d_model given too (must equal D when that is static).
+    compressive_memory_with_usage(index_t n_layers, index_t mem_len, index_t c_mem_len, index_t rate, index_t d_model)
+        : base(n_layers, mem_len, c_mem_len, rate, d_model), usage_(std::size_t(n_layers)) {}
 
     /// As compressive_memory::reset; the usage is emptied too.
     void reset(index_t batch, index_t max_segment = 0) {
@@ -406,7 +428,6 @@ template <class T, class Config, template <class, std::size_t, std::size_t, clas
 class compressive_transformer {
     using K = ops<Backend>;
     static constexpr std::size_t DM = Config::d_model;
-    static constexpr index_t D = index_t(DM);
 
 public:
     using config = Config;
@@ -420,8 +441,13 @@ public:
         !std::is_same_v<typename layer_type::compression_type, no_compression<T, DM, Config::compression_rate, Backend>>;
 
     explicit compressive_transformer(const compressive_options& o)
-        : options_(normalize(o)), embed_(params_, "src_embed", o.vocab), norm_(params_, "transformer.norm"),
-          generator_(params_, "generator", D, o.vocab, true) {
+        : options_(normalize(o)),
+          D(options_.d_model),
+          embed_(params_, "src_embed", o.vocab, D),
+          norm_(params_, "transformer.norm", D, T(1e-5)),
+          generator_(params_, "generator", D, o.vocab, true),
+          ar_(shape()),
+          ae_(D, options_.compression_rate) {
         layers_.reserve(std::size_t(o.n_layers));
         memory_slot_.assign(std::size_t(o.n_layers), -1);
         for (std::size_t s = 0; s < options_.memory_layers.size(); ++s)
@@ -432,7 +458,8 @@ public:
                 .residual = o.residual,
                 .norm = o.norm,
                 .memory = memory,
-                .decoder = memory && can_compress && o.reconstruction == reconstruction_kind::autoencoding};
+                .decoder = memory && can_compress && o.reconstruction == reconstruction_kind::autoencoding,
+                .shape = shape()};
             layers_.emplace_back(params_, "transformer.layers." + std::to_string(l), o.d_ff, o.n_pos, lo);
         }
         params_.allocate();
@@ -483,7 +510,7 @@ public:
     memory_type make_memory(index_t mem_len, index_t c_mem_len) const {
         MNEMO_CHECK(c_mem_len == 0 || can_compress, "compressive_transformer: a model without a compression function (Transformer-XL) needs "
                     "c_mem_len = 0, got ", c_mem_len);
-        return memory_type(n_memory_layers(), mem_len, c_mem_len, index_t(Config::compression_rate));
+        return memory_type(n_memory_layers(), mem_len, c_mem_len, options_.compression_rate, D);
     }
 
     /// logits [Q·B, vocab] of a segment: tokens [Q·B] sequence-major (position·B + b), reading (not
@@ -515,7 +542,7 @@ public:
         }
         last_ = {true, mem.epoch(), params_.version(), mem.c_mem_first_id(), mem.mem_first_id(), mem.c_mem_slots(),
                  mem.mem_slots(), rows / batch, batch};
-        view<T, DM, Backend> hn(hn_.ensure(rows * D), rows);
+        view<T, DM, Backend> hn(hn_.ensure(rows * D), rows, D);
         norm_.forward(x(options_.n_layers), hn);
         view<T, dynamic, Backend> logits(logits_.ensure(rows * options_.vocab), rows, options_.vocab);
         generator_.forward(hn, logits);
@@ -618,8 +645,8 @@ public:
         MNEMO_CHECK(forward_grad_, "compressive_transformer: backward after a forward with gradients disabled "
                     "(set_grad_enabled(false)); run forward again with gradients enabled");
         const index_t rows = rows_, v = options_.vocab;
-        view<T, DM, Backend> hn(hn_.data(), rows), dhn(dhn_.ensure(rows * D), rows);
-        view<T, DM, Backend> d0(dx_[0].ensure(rows * D), rows), d1(dx_[1].ensure(rows * D), rows);
+        view<T, DM, Backend> hn(hn_.data(), rows, D), dhn(dhn_.ensure(rows * D), rows, D);
+        view<T, DM, Backend> d0(dx_[0].ensure(rows * D), rows, D), d1(dx_[1].ensure(rows * D), rows, D);
         generator_.backward(hn, view<const T, dynamic, Backend>(d_logits_.data(), rows, v), dhn);
         norm_.backward(x(options_.n_layers), dhn, d0);
         for (index_t l = options_.n_layers - 1; l >= 0; --l) {
@@ -702,8 +729,11 @@ public:
 
     parameter_set<T>& parameters() { return params_; }
     const parameter_set<T>& parameters() const { return params_; }
-    /// The options as built (memory_layers listed in full, increasing).
+    /// The options as built (memory_layers listed in full, increasing; d_model, heads and
+    /// compression_rate the model's).
     const compressive_options& options() const { return options_; }
+    /// d_model, heads and the compression rate: a static config's, or those a runtime-shape model was built with.
+    model_shape shape() const { return {options_.d_model, options_.heads, options_.compression_rate}; }
     index_t vocab() const { return options_.vocab; }
     index_t n_layers() const { return options_.n_layers; }
     /// The layers that keep memory, increasing; memory slot s holds layer memory_layers()[s].
@@ -721,7 +751,7 @@ public:
     view<const T, DM, Backend> layer_input(index_t l) const {
         MNEMO_CHECK(l >= 0 && l <= options_.n_layers, "compressive_transformer: layer_input(", l, ") out of [0, ",
                     options_.n_layers, "]");
-        return view<const T, DM, Backend>(xs_[std::size_t(l)].data(), rows_);
+        return view<const T, DM, Backend>(xs_[std::size_t(l)].data(), rows_, D);
     }
     layer_type& layer(index_t l) { return layers_[std::size_t(l)]; }
 
@@ -731,6 +761,12 @@ private:
         MNEMO_CHECK(o.n_layers >= 1, "compressive_transformer: n_layers must be at least 1, got ", o.n_layers);
         MNEMO_CHECK(o.d_ff >= 1, "compressive_transformer: d_ff must be at least 1, got ", o.d_ff);
         MNEMO_CHECK(o.n_pos >= 1, "compressive_transformer: n_pos must be at least 1, got ", o.n_pos);
+        const model_shape shape = check_shape<Config>({o.d_model, o.heads, o.compression_rate},
+                                                      "compressive_transformer", "compressive_options::",
+                                                      /*rate_required=*/can_compress);
+        o.d_model = shape.d_model;
+        o.heads = shape.heads;
+        o.compression_rate = shape.compression_rate;
         auto& m = o.memory_layers;
         if (m.empty())
             for (index_t l = 0; l < o.n_layers; ++l) m.push_back(l);
@@ -742,7 +778,7 @@ private:
         }
         return o;
     }
-    view<T, DM, Backend> x(index_t l) { return view<T, DM, Backend>(xs_[std::size_t(l)].data(), rows_); }
+    view<T, DM, Backend> x(index_t l) { return view<T, DM, Backend>(xs_[std::size_t(l)].data(), rows_, D); }
 
     /// Most-used compression: the attention mass memory slot s's layer just gave each of its memory
     /// rows and each of the segment's rows (the rows update_memory appends), summed over heads and
@@ -755,11 +791,12 @@ private:
         const index_t q = rows_ / batch_, c = mem.c_mem_slots(), k = c + mem.mem_slots() + q;
         T* all = usage_all_.ensure(k * batch_);
         std::fill(all, all + k * batch_, T(0));
-        accumulate_key_usage(batch_, index_t(Config::heads), q, k, attn.attention_weights(), all);
+        accumulate_key_usage(batch_, options_.heads, q, k, attn.attention_weights(), all);
         usage_[std::size_t(s)].assign(all + c * batch_, all + k * batch_);
     }
 
     compressive_options options_;
+    [[no_unique_address]] extent_holder<DM> D;  // d_model: a constant for a static config
     parameter_set<T> params_;
     embedding<T, DM, Backend> embed_;
     std::vector<layer_type> layers_;

@@ -77,7 +77,8 @@ struct shared_kv {
     static constexpr const char* name = "feedback-kv";
 };
 
-/// Settings fixed when the model is built (the compile-time ones are in Config).
+/// Settings fixed when the model is built (the compile-time ones are in Config; with runtime_config,
+/// d_model and heads are here too).
 struct feedback_options {
     index_t vocab = 0;
     index_t n_layers = 0;
@@ -87,6 +88,11 @@ struct feedback_options {
     // rows): 512 rows keep Eigen's GEMM near its large-matrix speed while the per-block gradient
     // buffers stay small. Any value gives the same gradients up to summation order.
     index_t grad_flush_rows = 512;
+    /// The shape of a runtime-shape model (config<dynamic, dynamic, dynamic>): d_model and heads (>= 1,
+    /// heads dividing d_model). For a static config, 0 (its own) or its own value; the model's
+    /// options() report its own.
+    index_t d_model = 0;
+    index_t heads = 0;
 };
 
 /// What a feedback layer saves per step, for any number of steps: rows step·B + b (a whole training
@@ -111,7 +117,7 @@ template <class T, class Config, class KV, class Backend = cpu>
 class feedback_layer {
     using K = ops<Backend>;
     static constexpr std::size_t DM = Config::d_model;
-    static constexpr index_t D = index_t(DM);
+    [[no_unique_address]] extent_holder<DM> D;  // d_model: a constant for a static config
 
 public:
     using view_d = view<T, DM, Backend>;
@@ -119,15 +125,19 @@ public:
     using acts_type = feedback_layer_activations<T>;
     using grads_type = feedback_layer_gradients<T>;
 
-    feedback_layer(parameter_set<T>& ps, const std::string& prefix, index_t d_ff, index_t n_pos)
-        : d_ff_(d_ff),
-          attn_(ps, prefix + ".attn", n_pos),
-          feed_forward_(ps, prefix + ".feed_forward", d_ff),
-          norm_self_attn_(ps, prefix + ".norm_self_attn"),
-          norm_ff_(ps, prefix + ".norm_ff") {
+    /// `shape`: d_model and heads of a runtime-shape model (runtime_config); a static config's own
+    /// (the default) otherwise.
+    feedback_layer(parameter_set<T>& ps, const std::string& prefix, index_t d_ff, index_t n_pos,
+                   const model_shape& shape = config_shape<Config>())
+        : D(check_shape<Config>(shape, ("feedback_layer '" + prefix + "'").c_str()).d_model),
+          d_ff_(d_ff),
+          attn_(ps, prefix + ".attn", n_pos, shape),
+          feed_forward_(ps, prefix + ".feed_forward", D, d_ff),
+          norm_self_attn_(ps, prefix + ".norm_self_attn", D, T(1e-5)),
+          norm_ff_(ps, prefix + ".norm_ff", D, T(1e-5)) {
         if constexpr (!KV::shared) {
-            key_.emplace(ps, prefix + ".attn.key.linear", false);
-            value_.emplace(ps, prefix + ".attn.value.linear", true);
+            key_.emplace(ps, prefix + ".attn.key.linear", D, D, false);
+            value_.emplace(ps, prefix + ".attn.value.linear", D, D, true);
         }
     }
 
@@ -229,8 +239,8 @@ public:
     const linear<T, DM, DM, Backend>& value() const requires(!KV::shared) { return *value_; }
 
 private:
-    static view_d at(buffer<T>& b, index_t r0, index_t rows) { return view_d(b.data() + r0 * D, rows); }
-    static cview_d cat(const buffer<T>& b, index_t r0, index_t rows) { return cview_d(b.data() + r0 * D, rows); }
+    view_d at(buffer<T>& b, index_t r0, index_t rows) const { return view_d(b.data() + r0 * D, rows, D); }
+    cview_d cat(const buffer<T>& b, index_t r0, index_t rows) const { return cview_d(b.data() + r0 * D, rows, D); }
     static norm_stats<T> stats(const buffer<T>& mean, const buffer<T>& rstd, index_t r0) {
         return {const_cast<T*>(mean.data()) + r0, const_cast<T*>(rstd.data()) + r0};
     }
@@ -249,7 +259,6 @@ template <class T, class Config, class KV = per_layer_kv, class Backend = cpu>
 class feedback_transformer {
     using K = ops<Backend>;
     static constexpr std::size_t DM = Config::d_model;
-    static constexpr index_t D = index_t(DM), H = index_t(Config::heads);
 
 public:
     using value_type = T;
@@ -261,15 +270,19 @@ public:
     using cview_d = view<const T, DM, Backend>;
 
     explicit feedback_transformer(const feedback_options& o)
-        : options_(check(o)), embed_(params_, "src_embed", o.vocab), norm_(params_, "transformer.norm"),
+        : options_(check(o)),
+          D(options_.d_model),
+          H(options_.heads),
+          embed_(params_, "src_embed", o.vocab, D),
+          norm_(params_, "transformer.norm", D, T(1e-5)),
           generator_(params_, "generator", D, o.vocab, true) {
         layers_.reserve(std::size_t(o.n_layers));
         for (index_t l = 0; l < o.n_layers; ++l)
-            layers_.emplace_back(params_, "transformer.layers." + std::to_string(l), o.d_ff, o.n_pos);
+            layers_.emplace_back(params_, "transformer.layers." + std::to_string(l), o.d_ff, o.n_pos, shape());
         weights_ = params_.declare("transformer.weights", {o.n_layers + 1});
         if constexpr (KV::shared) {
-            key_.emplace(params_, "transformer.key.linear", false);
-            value_.emplace(params_, "transformer.value.linear", false);
+            key_.emplace(params_, "transformer.key.linear", D, D, false);
+            value_.emplace(params_, "transformer.value.linear", D, D, false);
         }
         params_.allocate();
         for (index_t l = 0; l <= o.n_layers; ++l) weights_.value()[l] = T(1);
@@ -325,7 +338,7 @@ public:
         for (index_t t = 0; t < steps; ++t)
             step_forward(acts_, t * batch, attn_offset(t, batch), t, batch, key_ptrs_.data(), value_ptrs_.data(),
                          steps, view_d(acts_.mem.data() + t * D, batch, D, steps * D), /*project=*/t + 1 < steps);
-        const view_d hn(hn_.ensure(rows * D), rows);
+        const view_d hn(hn_.ensure(rows * D), rows, D);
         norm_.forward(y(acts_, options_.n_layers, 0, rows), hn);
         const view<T, dynamic, Backend> logits(logits_.ensure(rows * options_.vocab), rows, options_.vocab);
         generator_.forward(hn, logits);
@@ -358,9 +371,9 @@ public:
         MNEMO_CHECK(index_t(tokens.size()) == rows_, "feedback_transformer: backward with ", tokens.size(),
                     " tokens after a forward over ", rows_);
         const index_t rows = rows_, B = batch_, L = options_.n_layers, v = options_.vocab;
-        const view_d hn(hn_.data(), rows), d_final(d_final_.ensure(rows * D), rows);
+        const view_d hn(hn_.data(), rows, D), d_final(d_final_.ensure(rows * D), rows, D);
         {
-            const view_d dhn(dhn_.ensure(rows * D), rows);
+            const view_d dhn(dhn_.ensure(rows * D), rows, D);
             generator_.backward(hn, view<const T, dynamic, Backend>(d_logits_.data(), rows, v), dhn);
             norm_.backward(y(acts_, L, 0, rows), cview_d(dhn), d_final);
         }
@@ -381,11 +394,12 @@ public:
         }
         // Key/value projections: one GEMM over every slot (batch-major rows; the last slot's gradient is 0).
         for (index_t i = 0; i < n_kv(); ++i) {
-            key(i).backward(cview_d(acts_.mem.data(), rows), cview_d(d_keys_[std::size_t(i)].data(), rows), view_d());
-            value(i).backward(cview_d(acts_.mem.data(), rows), cview_d(d_values_[std::size_t(i)].data(), rows),
+            key(i).backward(cview_d(acts_.mem.data(), rows, D), cview_d(d_keys_[std::size_t(i)].data(), rows, D),
+                            view_d());
+            value(i).backward(cview_d(acts_.mem.data(), rows, D), cview_d(d_values_[std::size_t(i)].data(), rows, D),
                               view_d());
         }
-        embed_.backward(tokens, cview_d(d_emb, rows));
+        embed_.backward(tokens, cview_d(d_emb, rows, D));
         // d w = softmax backward of G_l = Σ ⟨y_l, d mem⟩ over every step.
         double* gl = mix_grad_.data();
         double sg = 0;
@@ -422,7 +436,10 @@ public:
 
     parameter_set<T>& parameters() { return params_; }
     const parameter_set<T>& parameters() const { return params_; }
+    /// The options as built (d_model and heads the model's).
     const feedback_options& options() const { return options_; }
+    /// d_model and heads: a static config's, or those a runtime-shape model was built with.
+    model_shape shape() const { return {options_.d_model, options_.heads, 1}; }
     index_t vocab() const { return options_.vocab; }
     index_t n_layers() const { return options_.n_layers; }
     /// Number of key/value projections: n_layers (per_layer_kv) or 1 (shared_kv).
@@ -434,10 +451,10 @@ public:
     /// The last forward's cached keys / values of projection i (0 … n_kv − 1) for batch row b, slots
     /// 0 … T − 2 (the last slot is never projected): [T − 1, D].
     cview_d keys(index_t i, index_t b) const {
-        return cview_d(keys_[std::size_t(i)].data() + b * steps_ * D, steps_ - 1);
+        return cview_d(keys_[std::size_t(i)].data() + b * steps_ * D, steps_ - 1, D);
     }
     cview_d values(index_t i, index_t b) const {
-        return cview_d(values_[std::size_t(i)].data() + b * steps_ * D, steps_ - 1);
+        return cview_d(values_[std::size_t(i)].data() + b * steps_ * D, steps_ - 1, D);
     }
     layer_type& layer(index_t l) { return layers_[std::size_t(l)]; }
 
@@ -452,18 +469,22 @@ private:
         buffer<T> mem;                                      // [B, T, D] the memory slots (batch-major)
     };
 
-    static const feedback_options& check(const feedback_options& o) {
+    static feedback_options check(feedback_options o) {
         MNEMO_CHECK(o.vocab >= 1, "feedback_transformer: vocab must be at least 1, got ", o.vocab);
         MNEMO_CHECK(o.n_layers >= 1, "feedback_transformer: n_layers must be at least 1, got ", o.n_layers);
         MNEMO_CHECK(o.d_ff >= 1, "feedback_transformer: d_ff must be at least 1, got ", o.d_ff);
         MNEMO_CHECK(o.n_pos >= 1, "feedback_transformer: n_pos must be at least 1, got ", o.n_pos);
         MNEMO_CHECK(o.grad_flush_rows >= 1, "feedback_transformer: grad_flush_rows must be at least 1, got ",
                     o.grad_flush_rows);
+        const model_shape shape =
+            check_shape<Config>({o.d_model, o.heads, 0}, "feedback_transformer", "feedback_options::");
+        o.d_model = shape.d_model;
+        o.heads = shape.heads;
         return o;
     }
 
     /// Offset of step t's attention weights: steps 1 … t − 1 hold B·H·s each.
-    static index_t attn_offset(index_t t, index_t batch) { return batch * H * (t * (t - 1) / 2); }
+    index_t attn_offset(index_t t, index_t batch) const { return batch * H * (t * (t - 1) / 2); }
     index_t kv_index(index_t l) const { return KV::shared ? 0 : l; }
 
     void reserve_activations(activations& s, index_t rows, index_t attn_elems) {
@@ -472,8 +493,8 @@ private:
         for (auto& b : s.y) b.ensure(rows * D);
         s.mem.ensure(rows * D);
     }
-    static view_d y(activations& s, index_t l, index_t r0, index_t rows) {
-        return view_d(s.y[std::size_t(l)].data() + r0 * D, rows);
+    view_d y(activations& s, index_t l, index_t r0, index_t rows) const {
+        return view_d(s.y[std::size_t(l)].data() + r0 * D, rows, D);
     }
 
     // softmax(w), computed in double.
@@ -487,7 +508,7 @@ private:
     }
 
     // Slots 0 … t − 1 of a batch-major [B, cap, D] key/value cache.
-    static memory_slots<T> slots(T* base, index_t t, index_t cap) { return {base, t, D, cap * D}; }
+    memory_slots<T> slots(T* base, index_t t, index_t cap) const { return {base, t, D, cap * D}; }
 
     // Step t of the recurrence, its rows at r0 of `s` (y_0 already holds the embedding there), reading
     // slots 0 … t − 1 of the batch-major [B, cap, D] caches keys[i], values[i]. Forms mem_t [B, D] (rows
@@ -523,7 +544,7 @@ private:
     // Reverse-sweep step t; its per-step gradients go to rows (t − c0)·B of the block buffers.
     void step_backward(index_t t, index_t c0, view_d d_final, T* d_mem_all, T* d_emb) {
         const index_t B = batch_, L = options_.n_layers, r0 = t * B, cr = (t - c0) * B;
-        const view_d dm(d_mem_all + r0 * D, B);
+        const view_d dm(d_mem_all + r0 * D, B, D);
         const bool has_mem_grad = t + 1 < steps_;  // the last slot is never read
         if (has_mem_grad) {  // slot t of the batch-major gradients: rows t, cap + t, 2·cap + t, …
             const index_t cap = steps_;
@@ -546,7 +567,7 @@ private:
                 y(acts_, l - 1, r0, B), slots(keys_[std::size_t(i)].data(), t, steps_),
                 slots(values_[std::size_t(i)].data(), t, steps_),
                 slots(d_keys_[std::size_t(i)].data(), t, steps_), slots(d_values_[std::size_t(i)].data(), t, steps_), B,
-                view_d(dx, B));
+                view_d(dx, B, D));
             axpy(B * D, mix_[std::size_t(l - 1)], dm.data(), dx, has_mem_grad);
         }
     }
@@ -575,6 +596,9 @@ private:
     }
 
     feedback_options options_;
+    // d_model and heads: compile-time constants for a static config, runtime values for runtime_config.
+    [[no_unique_address]] extent_holder<DM> D;
+    [[no_unique_address]] extent_holder<Config::heads> H;
     parameter_set<T> params_;
     embedding<T, DM, Backend> embed_;
     std::vector<layer_type> layers_;
@@ -611,12 +635,15 @@ class feedback_generator {
     using T = typename Model::value_type;
     using Backend = typename Model::backend_type;
     static constexpr std::size_t DM = Model::config::d_model;
-    static constexpr index_t D = index_t(DM), H = index_t(Model::config::heads);
     using view_d = view<T, DM, Backend>;
     using cview_d = view<const T, DM, Backend>;
+    // d_model and heads: compile-time constants for a static config, the model's for runtime_config.
+    [[no_unique_address]] extent_holder<DM> D;
+    [[no_unique_address]] extent_holder<Model::config::heads> H;
 
 public:
-    feedback_generator(Model& model, index_t batch) : m_(&model), batch_(batch) {
+    feedback_generator(Model& model, index_t batch)
+        : D(model.shape().d_model), H(model.shape().heads), m_(&model), batch_(batch) {
         MNEMO_CHECK(batch >= 1, "feedback_generator: batch must be at least 1, got ", batch);
         acts_.layers.resize(std::size_t(model.n_layers()));
         acts_.y.resize(std::size_t(model.n_layers() + 1));
@@ -647,13 +674,13 @@ public:
                     " memory slots, more than n_pos = ", m.options().n_pos);
         if (t + 1 > cap_) grow(std::max<index_t>({t + 1, 2 * cap_, 16}));
         m.reserve_activations(acts_, B, B * H * t);
-        m.embed_.forward(tokens, Model::y(acts_, 0, 0, B));
+        m.embed_.forward(tokens, m.y(acts_, 0, 0, B));
         m.update_mix();
-        m.step_forward(acts_, 0, 0, t, B, key_ptrs_.data(), value_ptrs_.data(), cap_, view_d(acts_.mem.data(), B),
+        m.step_forward(acts_, 0, 0, t, B, key_ptrs_.data(), value_ptrs_.data(), cap_, view_d(acts_.mem.data(), B, D),
                        /*project=*/true);
         projected_rows_ += B;
-        const view_d hn(hn_.ensure(B * D), B);
-        m.norm_.forward(Model::y(acts_, L, 0, B), hn, norm_stats<T>{mean_.ensure(B), rstd_.ensure(B)});
+        const view_d hn(hn_.ensure(B * D), B, D);
+        m.norm_.forward(m.y(acts_, L, 0, B), hn, norm_stats<T>{mean_.ensure(B), rstd_.ensure(B)});
         const view<T, dynamic, Backend> logits(logits_.ensure(B * V), B, V);
         m.generator_.forward(hn, logits);
         ++t_;
@@ -668,8 +695,8 @@ public:
     /// Rows projected to keys/values so far (per projection): B per step, never more.
     index_t projected_rows() const { return projected_rows_; }
     /// The cached keys / values of projection i (0 … n_kv − 1) for batch row b: [length, D].
-    cview_d keys(index_t i, index_t b) const { return cview_d(key_ptrs_[std::size_t(i)] + b * cap_ * D, t_); }
-    cview_d values(index_t i, index_t b) const { return cview_d(value_ptrs_[std::size_t(i)] + b * cap_ * D, t_); }
+    cview_d keys(index_t i, index_t b) const { return cview_d(key_ptrs_[std::size_t(i)] + b * cap_ * D, t_, D); }
+    cview_d values(index_t i, index_t b) const { return cview_d(value_ptrs_[std::size_t(i)] + b * cap_ * D, t_, D); }
 
 private:
     // New capacity for every batch row's slots; the t_ cached slots move along.

@@ -33,6 +33,7 @@
 
 #include "../core/parallel.hpp"
 #include "../core/buffer.hpp"
+#include "../core/config.hpp"
 #include "../core/rng.hpp"
 #include "module.hpp"
 
@@ -42,12 +43,14 @@ namespace cpu_kernels {
 
 /// Time-axis gathers and poolings of the compression functions. Arguments: `out_rows` = n·batch
 /// compressed rows, memory row (s·Rate + t)·batch + b for output row s·batch + b, `d` features,
-/// `ld*` row strides in elements. Output rows are independent, so threads split them.
+/// `ld*` row strides in elements. Output rows are independent, so threads split them. Rate may be
+/// `dynamic`: the rate is then the last argument, `rate` (ignored for a static Rate).
 struct compression {
     /// x[r, i·Rate + t] = mem[(s·Rate + t)·batch + b, i] for r = s·batch + b   (x [out_rows, d·Rate], dense)
     template <std::size_t Rate, class T>
-    static void im2col_time(index_t out_rows, index_t batch, index_t d, const T* mem, index_t ldm, T* x) {
-        constexpr index_t c = static_cast<index_t>(Rate);
+    static void im2col_time(index_t out_rows, index_t batch, index_t d, const T* mem, index_t ldm, T* x,
+                            index_t rate = index_t(Rate)) {
+        const index_t c = Rate != dynamic ? static_cast<index_t>(Rate) : rate;
         parallel_range(out_rows, out_rows * d * c >= 65536, [&](index_t r_begin, index_t r_end) {
         for (index_t r = r_begin; r < r_end; ++r) {
             const index_t s = r / batch, b = r % batch;
@@ -62,8 +65,9 @@ struct compression {
 
     /// The inverse of im2col_time: d_mem[(s·Rate + t)·batch + b, i] = dx[r, i·Rate + t] (assigned).
     template <std::size_t Rate, class T>
-    static void col2im_time(index_t out_rows, index_t batch, index_t d, const T* dx, T* d_mem, index_t ldm) {
-        constexpr index_t c = static_cast<index_t>(Rate);
+    static void col2im_time(index_t out_rows, index_t batch, index_t d, const T* dx, T* d_mem, index_t ldm,
+                            index_t rate = index_t(Rate)) {
+        const index_t c = Rate != dynamic ? static_cast<index_t>(Rate) : rate;
         parallel_range(out_rows, out_rows * d * c >= 65536, [&](index_t r_begin, index_t r_end) {
         for (index_t r = r_begin; r < r_end; ++r) {
             const index_t s = r / batch, b = r % batch;
@@ -79,8 +83,8 @@ struct compression {
     /// out[r, i] = max_t mem[(s·Rate + t)·batch + b, i]; arg[r·d + i] = the first t attaining it.
     template <std::size_t Rate, class T, class I>
     static void max_pool_time_forward(index_t out_rows, index_t batch, index_t d, const T* mem, index_t ldm, T* out,
-                                      index_t ldo, I* arg) {
-        constexpr index_t c = static_cast<index_t>(Rate);
+                                      index_t ldo, I* arg, index_t rate = index_t(Rate)) {
+        const index_t c = Rate != dynamic ? static_cast<index_t>(Rate) : rate;
         parallel_range(out_rows, out_rows * d * c >= 65536, [&](index_t r_begin, index_t r_end) {
         for (index_t r = r_begin; r < r_end; ++r) {
             const index_t s = r / batch, b = r % batch;
@@ -107,8 +111,8 @@ struct compression {
     /// d_mem[(s·Rate + t)·batch + b, i] = d_out[r, i] where t = arg[r·d + i], else 0 (assigned).
     template <std::size_t Rate, class T, class I>
     static void max_pool_time_backward(index_t out_rows, index_t batch, index_t d, const T* d_out, index_t ldo,
-                                       const I* arg, T* d_mem, index_t ldm) {
-        constexpr index_t c = static_cast<index_t>(Rate);
+                                       const I* arg, T* d_mem, index_t ldm, index_t rate = index_t(Rate)) {
+        const index_t c = Rate != dynamic ? static_cast<index_t>(Rate) : rate;
         parallel_range(out_rows, out_rows * d * c >= 65536, [&](index_t r_begin, index_t r_end) {
         for (index_t r = r_begin; r < r_end; ++r) {
             const index_t s = r / batch, b = r % batch;
@@ -125,8 +129,8 @@ struct compression {
     /// out[r, i] = (Σ_t mem[(s·Rate + t)·batch + b, i]) / Rate, summed in t order.
     template <std::size_t Rate, class T>
     static void mean_pool_time_forward(index_t out_rows, index_t batch, index_t d, const T* mem, index_t ldm, T* out,
-                                       index_t ldo) {
-        constexpr index_t c = static_cast<index_t>(Rate);
+                                       index_t ldo, index_t rate = index_t(Rate)) {
+        const index_t c = Rate != dynamic ? static_cast<index_t>(Rate) : rate;
         const T divisor = static_cast<T>(c);
         parallel_range(out_rows, out_rows * d * c >= 65536, [&](index_t r_begin, index_t r_end) {
         for (index_t r = r_begin; r < r_end; ++r) {
@@ -146,8 +150,8 @@ struct compression {
     /// d_mem[(s·Rate + t)·batch + b, i] = d_out[r, i] / Rate for every t (assigned).
     template <std::size_t Rate, class T>
     static void mean_pool_time_backward(index_t out_rows, index_t batch, index_t d, const T* d_out, index_t ldo,
-                                        T* d_mem, index_t ldm) {
-        constexpr index_t c = static_cast<index_t>(Rate);
+                                        T* d_mem, index_t ldm, index_t rate = index_t(Rate)) {
+        const index_t c = Rate != dynamic ? static_cast<index_t>(Rate) : rate;
         const T divisor = static_cast<T>(c);
         parallel_range(out_rows, out_rows * d * c >= 65536, [&](index_t r_begin, index_t r_end) {
         for (index_t r = r_begin; r < r_end; ++r) {
@@ -177,37 +181,36 @@ struct compression_ops<cpu> : cpu_kernels::compression {};
 namespace detail {
 
 /// The shape rules every compression function shares. `who` names the module in messages, e.g.
-/// "conv_compression 'transformer.layers.0.compress'".
-template <std::size_t Rate>
+/// "conv_compression 'transformer.layers.0.compress'"; `rate` is the compression rate c.
 struct compression_shape {
     static std::string who(const char* kind, const std::string& name) { return std::string(kind) + " '" + name + "'"; }
 
-    /// Memory rows → compressed rows, after checking batch > 0 and rows a multiple of Rate·batch.
-    static index_t compressed_rows(std::string_view who, index_t mem_rows, index_t batch) {
+    /// Memory rows → compressed rows, after checking batch > 0 and rows a multiple of rate·batch.
+    static index_t compressed_rows(std::string_view who, index_t mem_rows, index_t batch, index_t rate) {
         MNEMO_CHECK(batch > 0, who, ": batch must be positive, got ", batch);
-        const index_t window = static_cast<index_t>(Rate) * batch;
+        const index_t window = rate * batch;
         MNEMO_CHECK(mem_rows >= 0 && mem_rows % window == 0, who, ": memory has ", mem_rows,
-                    " rows, not a multiple of compression rate ", Rate, " x batch ", batch, " = ", window);
-        return mem_rows / static_cast<index_t>(Rate);
+                    " rows, not a multiple of compression rate ", rate, " x batch ", batch, " = ", window);
+        return mem_rows / rate;
     }
 
-    /// mem [n·Rate·batch, d] and out [n·batch, d]; returns n·batch.
+    /// mem [n·rate·batch, d] and out [n·batch, d]; returns n·batch.
     template <class M, class O>
     static index_t check_forward(const std::string& who, const M& mem, index_t batch, const O& out,
-                                 const char* out_name, index_t d) {
+                                 const char* out_name, index_t d, index_t rate) {
         check_cols(mem, d, who.c_str(), "mem");
         check_cols(out, d, who.c_str(), out_name);
-        const index_t rows = compressed_rows(who, mem.rows(), batch);
+        const index_t rows = compressed_rows(who, mem.rows(), batch, rate);
         MNEMO_CHECK(out.rows() == rows, who, ": ", out_name, " has ", out.rows(), " rows, expected memory rows ",
-                    mem.rows(), " / compression rate ", Rate, " = ", rows);
+                    mem.rows(), " / compression rate ", rate, " = ", rows);
         return rows;
     }
 
-    /// As check_forward for (mem, d_out), and d_mem [n·Rate·batch, d] when it has data; returns n·batch.
+    /// As check_forward for (mem, d_out), and d_mem [n·rate·batch, d] when it has data; returns n·batch.
     template <class M, class DO, class DM>
     static index_t check_backward(const std::string& who, const M& mem, index_t batch, const DO& d_out,
-                                  const DM& d_mem, index_t d) {
-        const index_t rows = check_forward(who, mem, batch, d_out, "d_out", d);
+                                  const DM& d_mem, index_t d, index_t rate) {
+        const index_t rows = check_forward(who, mem, batch, d_out, "d_out", d, rate);
         if (d_mem.data()) {
             check_cols(d_mem, d, who.c_str(), "d_mem");
             MNEMO_CHECK(d_mem.rows() == mem.rows(), who, ": d_mem has ", d_mem.rows(), " rows but mem has ",
@@ -224,20 +227,28 @@ struct compression_shape {
         detail::fail(who, ": backward over ", mem_rows, " memory rows with batch ", batch,
                      " but the last forward saw ", saved_rows, " rows with batch ", saved_batch);
     }
+
+    /// The extents a compression function is built with: D and Rate where static (checked), else given.
+    template <std::size_t D, std::size_t Rate>
+    static void check_extents(const std::string& who, index_t d, index_t rate) {
+        check_extent<D>(d, who.c_str(), "d_model");
+        check_extent<Rate>(rate, who.c_str(), "compression rate");
+    }
 };
 
 }  // namespace detail
 
-/// Conv1d(D, D, kernel_size=Rate, stride=Rate) over the time axis, with bias.
+/// Conv1d(D, D, kernel_size=Rate, stride=Rate) over the time axis, with bias. D and Rate may be
+/// `dynamic` (a runtime-shape model): they are then given at construction.
 template <class T, std::size_t D, std::size_t Rate, class Backend = cpu>
 class conv_compression {
     using K = ops<Backend>;
     using C = compression_ops<Backend>;
-    using shape = detail::compression_shape<Rate>;
+    using shape = detail::compression_shape;
     static_assert(expect_compression_rate<Rate>::value);
-    static_assert(D != dynamic, "mnemo: conv_compression needs a static d_model");
-    static constexpr index_t d_ = static_cast<index_t>(D);
-    static constexpr index_t k_ = static_cast<index_t>(D * Rate);  // columns of X, and of W as [D, D·Rate]
+    [[no_unique_address]] extent_holder<D> d_;
+    [[no_unique_address]] extent_holder<Rate> c_;
+    index_t k() const { return d_ * c_; }  // columns of X, and of W as [D, D·Rate]
 
 public:
     static constexpr std::size_t rate = Rate;
@@ -245,32 +256,41 @@ public:
     static constexpr bool has_parameters = true;
 
     /// Declares `<name>.conv.weight` [D, D, Rate] and `<name>.conv.bias` [D].
-    conv_compression(parameter_set<T>& ps, const std::string& name)
-        : name_(name), who_(shape::who("conv_compression", name)) {
-        weight_ = ps.declare(name + ".conv.weight", {d_, d_, static_cast<index_t>(Rate)});
+    conv_compression(parameter_set<T>& ps, const std::string& name) requires(D != dynamic && Rate != dynamic)
+        : conv_compression(ps, name, static_cast<index_t>(D), static_cast<index_t>(Rate)) {}
+    /// Runtime extents (each must equal the static one where that is fixed).
+    conv_compression(parameter_set<T>& ps, const std::string& name, index_t d, index_t rate)
+        : d_(d), c_(rate), name_(name), who_(shape::who("conv_compression", name)) {
+        shape::check_extents<D, Rate>(who_, d, rate);
+        weight_ = ps.declare(name + ".conv.weight", {d_, d_, c_});
         bias_ = ps.declare(name + ".conv.bias", {d_});
     }
 
     /// PyTorch's Conv1d default: W, b ~ U(−1/√(D·Rate), 1/√(D·Rate)) (fan_in = in_channels · kernel).
     void reset_parameters(rng& r) const {
-        const double bound = 1.0 / std::sqrt(static_cast<double>(k_));
+        const double bound = 1.0 / std::sqrt(static_cast<double>(k()));
         for (index_t i = 0; i < weight_.size(); ++i) weight_.value()[i] = static_cast<T>(r.uniform(-bound, bound));
         for (index_t i = 0; i < bias_.size(); ++i) bias_.value()[i] = static_cast<T>(r.uniform(-bound, bound));
     }
 
     /// Rows of the compressed memory for `mem_rows` memory rows (checked: a multiple of Rate·batch).
-    static index_t compressed_rows(index_t mem_rows, index_t batch) {
-        return shape::compressed_rows("conv_compression", mem_rows, batch);
+    static index_t compressed_rows(index_t mem_rows, index_t batch) requires(Rate != dynamic) {
+        return shape::compressed_rows("conv_compression", mem_rows, batch, static_cast<index_t>(Rate));
     }
+    index_t compressed_rows(index_t mem_rows, index_t batch) const requires(Rate == dynamic) {
+        return shape::compressed_rows("conv_compression", mem_rows, batch, c_);
+    }
+    index_t compression_rate() const { return c_; }
 
     /// out [n·batch, D] = f_c(mem [n·Rate·batch, D]); keeps X for backward.
     template <view_of<T> M, view_of<T> O>
     void forward(const M& mem, index_t batch, const O& out) {
         static_assert(check_view<D, M, axis::d_model, Backend>());
         static_assert(check_view<D, O, axis::d_model, Backend>());
-        const index_t rows = shape::check_forward(who_, mem, batch, out, "out", d_);
+        const index_t rows = shape::check_forward(who_, mem, batch, out, "out", d_, c_);
+        const index_t k_ = k();
         T* x = x_.ensure(rows * k_);  // X [n·batch, D·Rate]
-        C::template im2col_time<Rate>(rows, batch, d_, mem.data(), mem.ld(), x);
+        C::template im2col_time<Rate>(rows, batch, d_, mem.data(), mem.ld(), x, c_);
         K::gemm_nt(rows, d_, k_, x, k_, weight_.value(), k_, out.data(), out.ld());
         K::add_bias_rows(rows, d_, bias_.value(), out.data(), out.ld());
         saved_rows_ = mem.rows();
@@ -284,15 +304,16 @@ public:
         static_assert(check_view<D, M, axis::d_model, Backend>());
         static_assert(check_view<D, DO, axis::d_model, Backend>());
         static_assert(check_view<D, DM, axis::d_model, Backend>());
-        const index_t rows = shape::check_backward(who_, mem, batch, d_out, d_mem, d_);
+        const index_t rows = shape::check_backward(who_, mem, batch, d_out, d_mem, d_, c_);
         shape::check_saved(who_, mem.rows(), batch, saved_rows_, saved_batch_);
+        const index_t k_ = k();
         const T* x = x_.data();  // X [n·batch, D·Rate]
         K::gemm_tn(d_, k_, rows, d_out.data(), d_out.ld(), x, k_, weight_.grad(), k_, T(1));
         K::sum_rows_accumulate(rows, d_, d_out.data(), d_out.ld(), bias_.grad());
         if (d_mem.data()) {
             T* dx = dx_.ensure(rows * k_);  // dX [n·batch, D·Rate]
             K::gemm_nn(rows, k_, d_, d_out.data(), d_out.ld(), weight_.value(), k_, dx, k_);
-            C::template col2im_time<Rate>(rows, batch, d_, dx, d_mem.data(), d_mem.ld());
+            C::template col2im_time<Rate>(rows, batch, d_, dx, d_mem.data(), d_mem.ld(), c_);
         }
     }
 
@@ -309,15 +330,17 @@ private:
     index_t saved_rows_ = -1, saved_batch_ = 0;
 };
 
-/// Max over each window of Rate slots (F.max_pool1d, kernel = stride = Rate). No parameters.
+/// Max over each window of Rate slots (F.max_pool1d, kernel = stride = Rate). No parameters. D and
+/// Rate may be `dynamic` (given at construction).
 template <class T, std::size_t D, std::size_t Rate, class Backend = cpu>
 class max_pool_compression {
     using C = compression_ops<Backend>;
-    using shape = detail::compression_shape<Rate>;
+    using shape = detail::compression_shape;
     static_assert(expect_compression_rate<Rate>::value);
-    static_assert(D != dynamic, "mnemo: max_pool_compression needs a static d_model");
-    static constexpr index_t d_ = static_cast<index_t>(D);
-    // The position of the maximum within its window, in the smallest type that holds Rate − 1.
+    [[no_unique_address]] extent_holder<D> d_;
+    [[no_unique_address]] extent_holder<Rate> c_;
+    // The position of the maximum within its window, in the smallest type that holds Rate − 1 (a
+    // runtime rate: 32 bits).
     using arg_t = std::conditional_t<(Rate <= 256), std::uint8_t, std::uint32_t>;
 
 public:
@@ -326,23 +349,32 @@ public:
     static constexpr bool has_parameters = false;
 
     /// Declares nothing; `name` is kept for messages.
-    max_pool_compression(parameter_set<T>&, const std::string& name)
-        : name_(name), who_(shape::who("max_pool_compression", name)) {}
+    max_pool_compression(parameter_set<T>& ps, const std::string& name) requires(D != dynamic && Rate != dynamic)
+        : max_pool_compression(ps, name, static_cast<index_t>(D), static_cast<index_t>(Rate)) {}
+    /// Runtime extents (each must equal the static one where that is fixed).
+    max_pool_compression(parameter_set<T>&, const std::string& name, index_t d, index_t rate)
+        : d_(d), c_(rate), name_(name), who_(shape::who("max_pool_compression", name)) {
+        shape::check_extents<D, Rate>(who_, d, rate);
+    }
 
     void reset_parameters(rng&) const {}
 
-    static index_t compressed_rows(index_t mem_rows, index_t batch) {
-        return shape::compressed_rows("max_pool_compression", mem_rows, batch);
+    static index_t compressed_rows(index_t mem_rows, index_t batch) requires(Rate != dynamic) {
+        return shape::compressed_rows("max_pool_compression", mem_rows, batch, static_cast<index_t>(Rate));
     }
+    index_t compressed_rows(index_t mem_rows, index_t batch) const requires(Rate == dynamic) {
+        return shape::compressed_rows("max_pool_compression", mem_rows, batch, c_);
+    }
+    index_t compression_rate() const { return c_; }
 
     /// out [n·batch, D] = max over each window of mem [n·Rate·batch, D]; keeps the argmax for backward.
     template <view_of<T> M, view_of<T> O>
     void forward(const M& mem, index_t batch, const O& out) {
         static_assert(check_view<D, M, axis::d_model, Backend>());
         static_assert(check_view<D, O, axis::d_model, Backend>());
-        const index_t rows = shape::check_forward(who_, mem, batch, out, "out", d_);
+        const index_t rows = shape::check_forward(who_, mem, batch, out, "out", d_, c_);
         C::template max_pool_time_forward<Rate>(rows, batch, d_, mem.data(), mem.ld(), out.data(), out.ld(),
-                                                arg_.ensure(rows * d_));
+                                                arg_.ensure(rows * d_), c_);
         saved_rows_ = mem.rows();
         saved_batch_ = batch;
     }
@@ -354,11 +386,11 @@ public:
         static_assert(check_view<D, M, axis::d_model, Backend>());
         static_assert(check_view<D, DO, axis::d_model, Backend>());
         static_assert(check_view<D, DM, axis::d_model, Backend>());
-        const index_t rows = shape::check_backward(who_, mem, batch, d_out, d_mem, d_);
+        const index_t rows = shape::check_backward(who_, mem, batch, d_out, d_mem, d_, c_);
         shape::check_saved(who_, mem.rows(), batch, saved_rows_, saved_batch_);
         if (d_mem.data())
             C::template max_pool_time_backward<Rate>(rows, batch, d_, d_out.data(), d_out.ld(), arg_.data(),
-                                                     d_mem.data(), d_mem.ld());
+                                                     d_mem.data(), d_mem.ld(), c_);
     }
 
     const std::string& name() const { return name_; }
@@ -370,14 +402,14 @@ private:
 };
 
 /// Mean over each window of Rate slots (F.avg_pool1d, kernel = stride = Rate). No parameters and no
-/// saved state: backward needs only the shapes.
+/// saved state: backward needs only the shapes. D and Rate may be `dynamic` (given at construction).
 template <class T, std::size_t D, std::size_t Rate, class Backend = cpu>
 class mean_pool_compression {
     using C = compression_ops<Backend>;
-    using shape = detail::compression_shape<Rate>;
+    using shape = detail::compression_shape;
     static_assert(expect_compression_rate<Rate>::value);
-    static_assert(D != dynamic, "mnemo: mean_pool_compression needs a static d_model");
-    static constexpr index_t d_ = static_cast<index_t>(D);
+    [[no_unique_address]] extent_holder<D> d_;
+    [[no_unique_address]] extent_holder<Rate> c_;
 
 public:
     static constexpr std::size_t rate = Rate;
@@ -385,22 +417,31 @@ public:
     static constexpr bool has_parameters = false;
 
     /// Declares nothing; `name` is kept for messages.
-    mean_pool_compression(parameter_set<T>&, const std::string& name)
-        : name_(name), who_(shape::who("mean_pool_compression", name)) {}
+    mean_pool_compression(parameter_set<T>& ps, const std::string& name) requires(D != dynamic && Rate != dynamic)
+        : mean_pool_compression(ps, name, static_cast<index_t>(D), static_cast<index_t>(Rate)) {}
+    /// Runtime extents (each must equal the static one where that is fixed).
+    mean_pool_compression(parameter_set<T>&, const std::string& name, index_t d, index_t rate)
+        : d_(d), c_(rate), name_(name), who_(shape::who("mean_pool_compression", name)) {
+        shape::check_extents<D, Rate>(who_, d, rate);
+    }
 
     void reset_parameters(rng&) const {}
 
-    static index_t compressed_rows(index_t mem_rows, index_t batch) {
-        return shape::compressed_rows("mean_pool_compression", mem_rows, batch);
+    static index_t compressed_rows(index_t mem_rows, index_t batch) requires(Rate != dynamic) {
+        return shape::compressed_rows("mean_pool_compression", mem_rows, batch, static_cast<index_t>(Rate));
     }
+    index_t compressed_rows(index_t mem_rows, index_t batch) const requires(Rate == dynamic) {
+        return shape::compressed_rows("mean_pool_compression", mem_rows, batch, c_);
+    }
+    index_t compression_rate() const { return c_; }
 
     /// out [n·batch, D] = mean over each window of mem [n·Rate·batch, D].
     template <view_of<T> M, view_of<T> O>
     void forward(const M& mem, index_t batch, const O& out) const {
         static_assert(check_view<D, M, axis::d_model, Backend>());
         static_assert(check_view<D, O, axis::d_model, Backend>());
-        const index_t rows = shape::check_forward(who_, mem, batch, out, "out", d_);
-        C::template mean_pool_time_forward<Rate>(rows, batch, d_, mem.data(), mem.ld(), out.data(), out.ld());
+        const index_t rows = shape::check_forward(who_, mem, batch, out, "out", d_, c_);
+        C::template mean_pool_time_forward<Rate>(rows, batch, d_, mem.data(), mem.ld(), out.data(), out.ld(), c_);
     }
 
     /// d_mem = d_out / Rate over each window (assigned; skipped when d_mem has no data).
@@ -409,10 +450,10 @@ public:
         static_assert(check_view<D, M, axis::d_model, Backend>());
         static_assert(check_view<D, DO, axis::d_model, Backend>());
         static_assert(check_view<D, DM, axis::d_model, Backend>());
-        const index_t rows = shape::check_backward(who_, mem, batch, d_out, d_mem, d_);
+        const index_t rows = shape::check_backward(who_, mem, batch, d_out, d_mem, d_, c_);
         if (d_mem.data())
             C::template mean_pool_time_backward<Rate>(rows, batch, d_, d_out.data(), d_out.ld(), d_mem.data(),
-                                                      d_mem.ld());
+                                                      d_mem.ld(), c_);
     }
 
     const std::string& name() const { return name_; }

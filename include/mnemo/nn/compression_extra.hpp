@@ -44,6 +44,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "../core/buffer.hpp"
 #include "../core/rng.hpp"
@@ -90,14 +91,15 @@ struct attention_usage {
 };
 
 /// Most-used selection. Arguments as cpu_kernels::compression: `out_rows` = n·batch compressed rows,
-/// memory row (s·Rate + t)·batch + b for output row r = s·batch + b, `d` features, `ld*` row strides.
+/// memory row (s·Rate + t)·batch + b for output row r = s·batch + b, `d` features, `ld*` row strides;
+/// Rate may be `dynamic`, the rate then given as the last argument.
 struct most_used_selection {
     /// arg[r] = the first t maximising usage[(s·Rate + t)·batch + b] (a NaN never wins);
     /// out[r, :] = mem[(s·Rate + arg[r])·batch + b, :].
     template <std::size_t Rate, class T, class I>
     static void forward(index_t out_rows, index_t batch, index_t d, const T* usage, const T* mem, index_t ldm, T* out,
-                        index_t ldo, I* arg) {
-        constexpr index_t c = static_cast<index_t>(Rate);
+                        index_t ldo, I* arg, index_t rate = index_t(Rate)) {
+        const index_t c = Rate != dynamic ? static_cast<index_t>(Rate) : rate;
         mnemo::detail::compression_extra_for_each(out_rows, out_rows * d >= 65536, [&](index_t r) {
             const index_t s = r / batch, b = r % batch;
             index_t best = 0;
@@ -119,8 +121,8 @@ struct most_used_selection {
     /// d_mem[(s·Rate + t)·batch + b, :] = d_out[r, :] where t = arg[r], else 0 (assigned).
     template <std::size_t Rate, class T, class I>
     static void backward(index_t out_rows, index_t batch, index_t d, const T* d_out, index_t ldo, const I* arg,
-                         T* d_mem, index_t ldm) {
-        constexpr index_t c = static_cast<index_t>(Rate);
+                         T* d_mem, index_t ldm, index_t rate = index_t(Rate)) {
+        const index_t c = Rate != dynamic ? static_cast<index_t>(Rate) : rate;
         mnemo::detail::compression_extra_for_each(out_rows, out_rows * d * c >= 65536, [&](index_t r) {
             const index_t s = r / batch, b = r % batch;
             const T* g = d_out + r * ldo;
@@ -183,49 +185,74 @@ template <class C>
 inline constexpr bool compression_needs_usage = detail::compression_needs_usage_impl<std::remove_cvref_t<C>>();
 
 /// A stack of log2(Rate) Conv1d(D, D, kernel_size=2, stride=2) over the time axis, ReLU between layers.
+/// D and Rate may be `dynamic` (a runtime-shape model): given at construction, the rate checked then.
 template <class T, std::size_t D, std::size_t Rate, class Backend = cpu>
 class dilated_conv_compression {
-    static_assert(Rate >= 2 && (Rate & (Rate - 1)) == 0,
+    static_assert(Rate == dynamic || (Rate >= 2 && (Rate & (Rate - 1)) == 0),
                   "mnemo: dilated_conv_compression needs a compression rate that is a power of two >= 2 (it is a "
                   "stack of log2(Rate) convolutions of kernel 2 and stride 2)");
-    static_assert(D != dynamic, "mnemo: dilated_conv_compression needs a static d_model");
     using K = ops<Backend>;
     using C = compression_ops<Backend>;
-    using shape = detail::compression_shape<Rate>;
-    static constexpr index_t d_ = static_cast<index_t>(D);
-    static constexpr index_t k_ = 2 * d_;  // columns of X_k, and of W_k as [D, 2D]
-    static constexpr index_t n_layers_ = static_cast<index_t>(detail::dilated_layer_count(Rate));
+    using shape = detail::compression_shape;
+    [[no_unique_address]] extent_holder<D> d_;
+    [[no_unique_address]] extent_holder<Rate> c_;
+    [[no_unique_address]] extent_holder<D == dynamic ? dynamic : 2 * D> k_;  // columns of X_k, and of W_k as [D, 2D]
+    // Layer count, log2(Rate): a constant for a static rate.
+    [[no_unique_address]] extent_holder<Rate == dynamic ? dynamic : detail::dilated_layer_count(Rate)> n_layers_;
+    // Parameters per layer: a fixed array for a static rate, a vector for a runtime one.
+    using param_list = std::conditional_t<Rate == dynamic, std::vector<param<T>>,
+                                          std::array<param<T>, Rate == dynamic ? 1 : detail::dilated_layer_count(Rate)>>;
 
 public:
     static constexpr std::size_t rate = Rate;
     static constexpr std::size_t features = D;
     static constexpr bool has_parameters = true;
     static constexpr bool needs_usage = false;
-    /// Number of stacked convolutions, log2(Rate).
-    static constexpr std::size_t layers = detail::dilated_layer_count(Rate);
+    /// Number of stacked convolutions, log2(Rate) (`dynamic` for a runtime rate: see n_layers()).
+    static constexpr std::size_t layers = Rate == dynamic ? dynamic : detail::dilated_layer_count(Rate);
 
     /// Declares `<name>.convs.<k>.weight` [D, D, 2] and `<name>.convs.<k>.bias` [D] for k = 0 … layers − 1.
-    dilated_conv_compression(parameter_set<T>& ps, const std::string& name)
-        : name_(name), who_(shape::who("dilated_conv_compression", name)) {
-        for (std::size_t k = 0; k < layers; ++k) {
+    dilated_conv_compression(parameter_set<T>& ps, const std::string& name) requires(D != dynamic && Rate != dynamic)
+        : dilated_conv_compression(ps, name, static_cast<index_t>(D), static_cast<index_t>(Rate)) {}
+    /// Runtime extents (each must equal the static one where that is fixed; the rate a power of two >= 2).
+    dilated_conv_compression(parameter_set<T>& ps, const std::string& name, index_t d, index_t rate)
+        : d_(d), c_(rate), k_(2 * d), n_layers_(index_t(detail::dilated_layer_count(std::size_t(rate > 0 ? rate : 1)))),
+          name_(name), who_(shape::who("dilated_conv_compression", name)) {
+        shape::check_extents<D, Rate>(who_, d, rate);
+        MNEMO_CHECK(rate >= 2 && (rate & (rate - 1)) == 0, who_, ": the compression rate must be a power of two >= 2 "
+                    "(a stack of log2(rate) convolutions of kernel 2 and stride 2), got ", rate);
+        if constexpr (Rate == dynamic) {
+            weight_.resize(std::size_t(n_layers_));
+            bias_.resize(std::size_t(n_layers_));
+        }
+        for (index_t k = 0; k < n_layers_; ++k) {
             const std::string p = name + ".convs." + std::to_string(k);
-            weight_[k] = ps.declare(p + ".weight", {d_, d_, 2});
-            bias_[k] = ps.declare(p + ".bias", {d_});
+            weight_[std::size_t(k)] = ps.declare(p + ".weight", {d_, d_, 2});
+            bias_[std::size_t(k)] = ps.declare(p + ".bias", {d_});
         }
     }
+
+    /// log2(rate): the number of stacked convolutions.
+    index_t n_layers() const { return n_layers_; }
+    index_t compression_rate() const { return c_; }
 
     /// PyTorch's Conv1d default per layer: W, b ~ U(−1/√(2D), 1/√(2D)) (fan_in = in_channels · kernel).
     void reset_parameters(rng& r) const {
         const double bound = 1.0 / std::sqrt(static_cast<double>(k_));
-        for (std::size_t k = 0; k < layers; ++k) {
-            for (index_t i = 0; i < weight_[k].size(); ++i) weight_[k].value()[i] = static_cast<T>(r.uniform(-bound, bound));
-            for (index_t i = 0; i < bias_[k].size(); ++i) bias_[k].value()[i] = static_cast<T>(r.uniform(-bound, bound));
+        for (index_t k = 0; k < n_layers_; ++k) {
+            const param<T>& w = weight_[std::size_t(k)];
+            const param<T>& b = bias_[std::size_t(k)];
+            for (index_t i = 0; i < w.size(); ++i) w.value()[i] = static_cast<T>(r.uniform(-bound, bound));
+            for (index_t i = 0; i < b.size(); ++i) b.value()[i] = static_cast<T>(r.uniform(-bound, bound));
         }
     }
 
     /// Rows of the compressed memory for `mem_rows` memory rows (checked: a multiple of Rate·batch).
-    static index_t compressed_rows(index_t mem_rows, index_t batch) {
-        return shape::compressed_rows("dilated_conv_compression", mem_rows, batch);
+    static index_t compressed_rows(index_t mem_rows, index_t batch) requires(Rate != dynamic) {
+        return shape::compressed_rows("dilated_conv_compression", mem_rows, batch, static_cast<index_t>(Rate));
+    }
+    index_t compressed_rows(index_t mem_rows, index_t batch) const requires(Rate == dynamic) {
+        return shape::compressed_rows("dilated_conv_compression", mem_rows, batch, c_);
     }
 
     /// out [n·batch, D] = f_c(mem [n·Rate·batch, D]); keeps every X_k and hidden h_k for backward.
@@ -233,7 +260,7 @@ public:
     void forward(const M& mem, index_t batch, const O& out) {
         static_assert(check_view<D, M, axis::d_model, Backend>());
         static_assert(check_view<D, O, axis::d_model, Backend>());
-        shape::check_forward(who_, mem, batch, out, "out", d_);
+        shape::check_forward(who_, mem, batch, out, "out", d_, c_);
         const index_t mem_rows = mem.rows();
         // X_k [mem_rows / 2^(k+1), 2D] holds mem_rows·D / 2^k elements; h_(k+1) [mem_rows / 2^(k+1), D].
         T* x = x_.ensure(x_total(mem_rows));
@@ -246,7 +273,7 @@ public:
             C::template im2col_time<2>(rows, batch, d_, in, ld_in, xk);
             const bool last = k + 1 == n_layers_;
             T* y = last ? out.data() : h + h_offset(mem_rows, k + 1);
-            const index_t ldy = last ? out.ld() : d_;
+            const index_t ldy = last ? out.ld() : index_t(d_);
             K::gemm_nt(rows, d_, k_, xk, k_, weight_[std::size_t(k)].value(), k_, y, ldy);
             K::add_bias_rows(rows, d_, bias_[std::size_t(k)].value(), y, ldy);
             if (!last) K::relu_forward(rows * d_, y, y);  // dense: ldy = D
@@ -265,7 +292,7 @@ public:
         static_assert(check_view<D, M, axis::d_model, Backend>());
         static_assert(check_view<D, DO, axis::d_model, Backend>());
         static_assert(check_view<D, DM, axis::d_model, Backend>());
-        shape::check_backward(who_, mem, batch, d_out, d_mem, d_);
+        shape::check_backward(who_, mem, batch, d_out, d_mem, d_, c_);
         shape::check_saved(who_, mem.rows(), batch, saved_rows_, saved_batch_);
         const index_t mem_rows = mem.rows();
         const bool want_dmem = d_mem.data() != nullptr;
@@ -302,41 +329,42 @@ public:
 
 private:
     index_t checked_layer(index_t k) const {
-        MNEMO_CHECK(k >= 0 && k < n_layers_, who_, ": layer ", k, " out of range [0, ", n_layers_, ")");
+        MNEMO_CHECK(k >= 0 && k < n_layers_, who_, ": layer ", k, " out of range [0, ", index_t(n_layers_), ")");
         return k;
     }
     // X_k starts after X_0 … X_(k−1), of mem_rows·D / 2^j elements each.
-    static index_t x_offset(index_t mem_rows, index_t k) {
+    index_t x_offset(index_t mem_rows, index_t k) const {
         index_t off = 0;
         for (index_t j = 0; j < k; ++j) off += (mem_rows >> (j + 1)) * k_;
         return off;
     }
-    static index_t x_total(index_t mem_rows) { return x_offset(mem_rows, n_layers_); }
+    index_t x_total(index_t mem_rows) const { return x_offset(mem_rows, n_layers_); }
     // h_k (k = 1 … layers − 1, the hidden outputs) starts after h_1 … h_(k−1) of mem_rows / 2^j rows each.
-    static index_t h_offset(index_t mem_rows, index_t k) {
+    index_t h_offset(index_t mem_rows, index_t k) const {
         index_t off = 0;
         for (index_t j = 1; j < k; ++j) off += (mem_rows >> j) * d_;
         return off;
     }
-    static index_t h_total(index_t mem_rows) { return h_offset(mem_rows, n_layers_); }
+    index_t h_total(index_t mem_rows) const { return h_offset(mem_rows, n_layers_); }
 
     std::string name_, who_;
-    std::array<param<T>, layers> weight_;  // [D, D, 2] each, read as [D, 2D] with column i·2 + t
-    std::array<param<T>, layers> bias_;    // [D] each
-    buffer<T> x_;                          // X_0 … X_(L−1), kept by forward
-    buffer<T> h_;                          // h_1 … h_(L−1) (after ReLU), kept by forward
-    buffer<T> dx_, dh_;                    // backward scratch
+    param_list weight_;  // [D, D, 2] each, read as [D, 2D] with column i·2 + t
+    param_list bias_;    // [D] each
+    buffer<T> x_;        // X_0 … X_(L−1), kept by forward
+    buffer<T> h_;        // h_1 … h_(L−1) (after ReLU), kept by forward
+    buffer<T> dx_, dh_;  // backward scratch
     index_t saved_rows_ = -1, saved_batch_ = 0;
 };
 
-/// Keeps the most-attended slot of each window of Rate slots. No parameters; needs set_usage().
+/// Keeps the most-attended slot of each window of Rate slots. No parameters; needs set_usage(). D and
+/// Rate may be `dynamic` (given at construction).
 template <class T, std::size_t D, std::size_t Rate, class Backend = cpu>
 class most_used_compression {
     static_assert(expect_compression_rate<Rate>::value);
-    static_assert(D != dynamic, "mnemo: most_used_compression needs a static d_model");
     using K = compression_extra_ops<Backend>;
-    using shape = detail::compression_shape<Rate>;
-    static constexpr index_t d_ = static_cast<index_t>(D);
+    using shape = detail::compression_shape;
+    [[no_unique_address]] extent_holder<D> d_;
+    [[no_unique_address]] extent_holder<Rate> c_;
     using arg_t = std::conditional_t<(Rate <= 256), std::uint8_t, std::uint32_t>;
 
 public:
@@ -346,14 +374,23 @@ public:
     static constexpr bool needs_usage = true;
 
     /// Declares nothing; `name` is kept for messages.
-    most_used_compression(parameter_set<T>&, const std::string& name)
-        : name_(name), who_(shape::who("most_used_compression", name)) {}
+    most_used_compression(parameter_set<T>& ps, const std::string& name) requires(D != dynamic && Rate != dynamic)
+        : most_used_compression(ps, name, static_cast<index_t>(D), static_cast<index_t>(Rate)) {}
+    /// Runtime extents (each must equal the static one where that is fixed).
+    most_used_compression(parameter_set<T>&, const std::string& name, index_t d, index_t rate)
+        : d_(d), c_(rate), name_(name), who_(shape::who("most_used_compression", name)) {
+        shape::check_extents<D, Rate>(who_, d, rate);
+    }
 
     void reset_parameters(rng&) const {}
 
-    static index_t compressed_rows(index_t mem_rows, index_t batch) {
-        return shape::compressed_rows("most_used_compression", mem_rows, batch);
+    static index_t compressed_rows(index_t mem_rows, index_t batch) requires(Rate != dynamic) {
+        return shape::compressed_rows("most_used_compression", mem_rows, batch, static_cast<index_t>(Rate));
     }
+    index_t compressed_rows(index_t mem_rows, index_t batch) const requires(Rate == dynamic) {
+        return shape::compressed_rows("most_used_compression", mem_rows, batch, c_);
+    }
+    index_t compression_rate() const { return c_; }
 
     /// The usage of the memory the next forward compresses: usage[t·batch + b] is the attention mass
     /// memory row t·batch + b received (e.g. summed with accumulate_key_usage); `rows` entries, one per
@@ -376,13 +413,13 @@ public:
     void forward(const M& mem, index_t batch, const O& out) {
         static_assert(check_view<D, M, axis::d_model, Backend>());
         static_assert(check_view<D, O, axis::d_model, Backend>());
-        const index_t rows = shape::check_forward(who_, mem, batch, out, "out", d_);
+        const index_t rows = shape::check_forward(who_, mem, batch, out, "out", d_, c_);
         MNEMO_CHECK(usage_rows_ >= 0, who_, ": no usage was set: call set_usage(usage, ", mem.rows(),
                     ") with the attention mass of each memory row before forward");
         MNEMO_CHECK(usage_rows_ == mem.rows(), who_, ": the usage was set for ", usage_rows_,
                     " memory rows but forward got ", mem.rows(), " memory rows");
         K::selection::template forward<Rate>(rows, batch, d_, usage_.data(), mem.data(), mem.ld(), out.data(),
-                                             out.ld(), arg_.ensure(rows));
+                                             out.ld(), arg_.ensure(rows), c_);
         saved_rows_ = mem.rows();
         saved_batch_ = batch;
     }
@@ -394,11 +431,11 @@ public:
         static_assert(check_view<D, M, axis::d_model, Backend>());
         static_assert(check_view<D, DO, axis::d_model, Backend>());
         static_assert(check_view<D, DM, axis::d_model, Backend>());
-        const index_t rows = shape::check_backward(who_, mem, batch, d_out, d_mem, d_);
+        const index_t rows = shape::check_backward(who_, mem, batch, d_out, d_mem, d_, c_);
         shape::check_saved(who_, mem.rows(), batch, saved_rows_, saved_batch_);
         if (d_mem.data())
             K::selection::template backward<Rate>(rows, batch, d_, d_out.data(), d_out.ld(), arg_.data(),
-                                                  d_mem.data(), d_mem.ld());
+                                                  d_mem.data(), d_mem.ld(), c_);
     }
 
     const std::string& name() const { return name_; }

@@ -6,6 +6,7 @@
 #include <span>
 #include <string>
 
+#include "../core/config.hpp"
 #include "../core/rng.hpp"
 #include "module.hpp"
 
@@ -13,17 +14,23 @@ namespace mnemo {
 
 using token_t = std::int32_t;
 
+/// D may be `dynamic` (a runtime-shape model): it is then given at construction.
 template <class T, std::size_t D, class Backend = cpu>
 class embedding {
     using K = ops<Backend>;
-    static_assert(D != dynamic, "mnemo: embedding needs a static d_model");
+    [[no_unique_address]] extent_holder<D> d_;
 
 public:
     static constexpr std::size_t features = D;
 
-    embedding(parameter_set<T>& ps, const std::string& name, index_t vocab) : name_(name), vocab_(vocab) {
+    embedding(parameter_set<T>& ps, const std::string& name, index_t vocab) requires(D != dynamic)
+        : embedding(ps, name, vocab, static_cast<index_t>(D)) {}
+    /// Runtime extent (must equal D when that is static).
+    embedding(parameter_set<T>& ps, const std::string& name, index_t vocab, index_t d)
+        : d_(d), name_(name), vocab_(vocab) {
+        check_extent<D>(d, ("embedding '" + name + "'").c_str(), "d_model");
         MNEMO_CHECK(vocab > 0, "embedding '", name, "': vocabulary size must be positive, got ", vocab);
-        weight_ = ps.declare(name + ".weight", {vocab, static_cast<index_t>(D)});
+        weight_ = ps.declare(name + ".weight", {vocab, d_});
     }
 
     /// PyTorch's default: W ~ N(0, 1).
@@ -35,12 +42,13 @@ public:
     template <view_of<T> Y>
     void forward(std::span<const token_t> tokens, const Y& y) const {
         static_assert(check_view<D, Y, axis::d_model, Backend>());
+        if constexpr (Y::features == dynamic) check_cols(y, d_, "embedding", "y");
         MNEMO_CHECK(static_cast<index_t>(tokens.size()) == y.rows(), "embedding '", name_, "': ", tokens.size(),
                     " tokens but the output has ", y.rows(), " rows");
         for (std::size_t i = 0; i < tokens.size(); ++i)
             MNEMO_CHECK(tokens[i] >= 0 && tokens[i] < vocab_, "embedding '", name_, "': token ", tokens[i],
                         " at position ", i, " is outside the vocabulary [0, ", vocab_, ")");
-        K::gather_rows(y.rows(), static_cast<index_t>(D), tokens.data(), weight_.value(), static_cast<index_t>(D),
+        K::gather_rows(y.rows(), d_, tokens.data(), weight_.value(), d_,
                        y.data(), y.ld());
     }
 
@@ -50,8 +58,8 @@ public:
         static_assert(check_view<D, DY, axis::d_model, Backend>());
         MNEMO_CHECK(static_cast<index_t>(tokens.size()) == dy.rows(), "embedding '", name_, "': ", tokens.size(),
                     " tokens but dy has ", dy.rows(), " rows");
-        K::scatter_add_rows(dy.rows(), static_cast<index_t>(D), tokens.data(), dy.data(), dy.ld(), weight_.grad(),
-                            static_cast<index_t>(D));
+        K::scatter_add_rows(dy.rows(), d_, tokens.data(), dy.data(), dy.ld(), weight_.grad(),
+                            d_);
     }
 
     index_t vocab() const { return vocab_; }

@@ -3,7 +3,8 @@
 //   h = x·W1ᵀ + b1  [rows, Dff]      a = act(h)      y = a·W2ᵀ + b2  [rows, D]
 // Parameters `<name>.layer1.{weight,bias}` [Dff, D], [Dff] and `<name>.layer2.{weight,bias}` [D, Dff], [D].
 // The module keeps h and a for backward (buffers that grow to the largest rows seen, then are reused).
-// Dff may be `dynamic` (given at construction): models read d_ff from a checkpoint at run time.
+// Dff may be `dynamic` (given at construction): models read d_ff from a checkpoint at run time. So may
+// D (a runtime-shape model).
 #include <string>
 
 #include "../core/activation.hpp"
@@ -17,12 +18,15 @@ class feed_forward {
     using K = ops<Backend>;
 
 public:
-    feed_forward(parameter_set<T>& ps, const std::string& name) requires(Dff != dynamic)
+    feed_forward(parameter_set<T>& ps, const std::string& name) requires(Dff != dynamic && D != dynamic)
         : feed_forward(ps, name, static_cast<index_t>(Dff)) {}
-    feed_forward(parameter_set<T>& ps, const std::string& name, index_t d_ff)
+    feed_forward(parameter_set<T>& ps, const std::string& name, index_t d_ff) requires(D != dynamic)
+        : feed_forward(ps, name, static_cast<index_t>(D), d_ff) {}
+    /// d_model given too (D `dynamic`: a runtime-shape model; else it must equal D).
+    feed_forward(parameter_set<T>& ps, const std::string& name, index_t d_model, index_t d_ff)
         : d_ff_(d_ff),
-          layer1_(ps, name + ".layer1", static_cast<index_t>(D), d_ff, true),
-          layer2_(ps, name + ".layer2", d_ff, static_cast<index_t>(D), true) {}
+          layer1_(ps, name + ".layer1", d_model, d_ff, true),
+          layer2_(ps, name + ".layer2", d_ff, d_model, true) {}
 
     index_t d_ff() const { return d_ff_; }
 

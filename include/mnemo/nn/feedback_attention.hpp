@@ -32,6 +32,7 @@
 
 #include "../core/parallel.hpp"
 #include "../core/buffer.hpp"
+#include "../core/config.hpp"
 #include "../core/rng.hpp"
 #include "../kernels/cpu/softmax.hpp"
 #include "linear.hpp"
@@ -75,15 +76,31 @@ class feedback_attention {
     using K = ops<Backend>;
 
 public:
-    static constexpr std::size_t d_model = Config::d_model;
+    static constexpr std::size_t d_model = Config::d_model;  // `dynamic` for runtime_config, as heads and d_head
     static constexpr std::size_t heads = Config::heads;
     static constexpr std::size_t d_head = Config::d_head;
     static constexpr index_t default_n_pos = 4096;
     using view_d = view<T, d_model, Backend>;
     using cview_d = view<const T, d_model, Backend>;
 
-    feedback_attention(parameter_set<T>& ps, const std::string& name, index_t n_pos = default_n_pos)
-        : name_(name), n_pos_(n_pos), query_(ps, name + ".query.linear", false), output_(ps, name + ".output", true) {
+private:
+    // d_model, heads, d_head: compile-time constants for a static config, runtime values for runtime_config.
+    [[no_unique_address]] extent_holder<d_model> D;
+    [[no_unique_address]] extent_holder<heads> H;
+    [[no_unique_address]] extent_holder<d_head> Dk;
+
+public:
+    /// `shape`: d_model and heads of a runtime-shape model (runtime_config); a static config's own
+    /// (the default) otherwise.
+    feedback_attention(parameter_set<T>& ps, const std::string& name, index_t n_pos = default_n_pos,
+                       const model_shape& shape = config_shape<Config>())
+        : D(check_shape<Config>(shape, ("feedback_attention '" + name + "'").c_str()).d_model),
+          H(shape.heads),
+          Dk(shape.d_head()),
+          name_(name),
+          n_pos_(n_pos),
+          query_(ps, name + ".query.linear", D, D, false),
+          output_(ps, name + ".output", D, D, true) {
         MNEMO_CHECK(n_pos >= 1, "feedback_attention '", name, "': n_pos (the number of relative positions P) must be "
                     "at least 1, got ", n_pos);
         // Rows [P − t, P) get gradient at step t; the rest is skipped by zero_grad, clipping and the
@@ -102,7 +119,7 @@ public:
     }
 
     /// Number of attention weights one step saves: batch · heads · t.
-    static index_t attn_size(index_t batch, index_t t) { return batch * H * t; }
+    index_t attn_size(index_t batch, index_t t) const { return batch * H * t; }
 
     /// out [B, D] = attention of z [B, D] over the t memory slots' keys and values (oldest first).
     /// Saves q, the weights and the context into `cache`.
@@ -110,12 +127,12 @@ public:
                  feedback_attention_cache<T> cache, view_d out) {
         const index_t t = steps(z, keys, values, batch);
         check_rows(z, out, "feedback_attention", "z", "out");
-        const view_d q(cache.q, batch), ctx(cache.ctx, batch), qu(qu_.ensure(batch * D), batch);
+        const view_d q(cache.q, batch, D), ctx(cache.ctx, batch, D), qu(qu_.ensure(batch * D), batch, D);
         query_.forward(z, q);
         K::copy(batch, D, q.data(), D, qu.data(), D);
         K::add_bias_rows(batch, D, u_.value(), qu.data(), D);  // q + u, u [heads·d_k] broadcast
 
-        const T scale = T(1) / std::sqrt(T(d_head));
+        const T scale = T(1) / std::sqrt(T(index_t(Dk)));
         const T* r_win = r_.value_rows(n_pos_ - t, n_pos_);  // R[P − t + j] for j = 0 … t − 1
         const T* s_win = s_.value_rows(n_pos_ - t, n_pos_);
         T* attn = cache.attn;
@@ -148,14 +165,14 @@ public:
         MNEMO_CHECK(d_keys.slots == t && d_values.slots == t, "feedback_attention '", name_, "': gradients for ",
                     d_keys.slots, " and ", d_values.slots, " slots, the keys have ", t);
         check_rows(d_out, d_q, "feedback_attention", "d_out", "d_q");
-        const cview_d q(cache.q, batch);
-        const view_d d_ctx(d_ctx_.ensure(batch * D), batch), qu(qu_.ensure(batch * D), batch),
-            d_qu(d_qu_.ensure(batch * D), batch);
+        const cview_d q(cache.q, batch, D);
+        const view_d d_ctx(d_ctx_.ensure(batch * D), batch, D), qu(qu_.ensure(batch * D), batch, D),
+            d_qu(d_qu_.ensure(batch * D), batch, D);
         output_.backward_input(d_out, d_ctx);
         K::copy(batch, D, q.data(), D, qu.data(), D);
         K::add_bias_rows(batch, D, u_.value(), qu.data(), D);
 
-        const T scale = T(1) / std::sqrt(T(d_head));
+        const T scale = T(1) / std::sqrt(T(index_t(Dk)));
         const T* r_win = r_.value_rows(n_pos_ - t, n_pos_);
         const T* attn = cache.attn;
         T* d_scores = d_scores_.ensure(attn_size(batch, t));  // [B, H, t]
@@ -211,9 +228,9 @@ public:
     void backward(cview_d z, memory_slots<const T> keys, memory_slots<const T> values, cview_d d_out, index_t batch,
                   feedback_attention_cache<const T> cache, memory_slots<T> d_keys, memory_slots<T> d_values,
                   view_d d_z, bool accumulate_dz = false) {
-        const view_d d_q(d_q_.ensure(batch * D), batch);
+        const view_d d_q(d_q_.ensure(batch * D), batch, D);
         backward_step(keys, values, d_out, batch, cache, d_q, d_keys, d_values, d_z, accumulate_dz);
-        backward_weights(z, cview_d(cache.ctx, batch), d_q, d_out);
+        backward_weights(z, cview_d(cache.ctx, batch, D), d_q, d_out);
     }
 
     index_t n_pos() const { return n_pos_; }
@@ -225,25 +242,23 @@ public:
     const param<T>& query_pos_bias() const { return u_; }
 
 private:
-    static constexpr index_t D = index_t(d_model), H = index_t(heads), Dk = index_t(d_head);
-
     // One head's d_k features: the per-(batch row, head) loops are too short for a GEMM call to pay
     // off (t × d_k with d_k = 64), so they run as vectorised loops over d_k (a compile-time extent).
-    static T dot(const T* a, const T* b) {
+    T dot(const T* a, const T* b) const {
         T s = 0;
 #pragma omp simd reduction(+ : s)
         for (index_t d = 0; d < Dk; ++d) s += a[d] * b[d];
         return s;
     }
     // a·b + c·e in one pass.
-    static T dot2(const T* a, const T* b, const T* c, const T* e) {
+    T dot2(const T* a, const T* b, const T* c, const T* e) const {
         T s = 0;
 #pragma omp simd reduction(+ : s)
         for (index_t d = 0; d < Dk; ++d) s += a[d] * b[d] + c[d] * e[d];
         return s;
     }
     // y += alpha·x
-    static void axpy(T alpha, const T* x, T* y) {
+    void axpy(T alpha, const T* x, T* y) const {
 #pragma omp simd
         for (index_t d = 0; d < Dk; ++d) y[d] += alpha * x[d];
     }

@@ -37,6 +37,7 @@
 
 #include "../core/buffer.hpp"
 #include "../core/parallel.hpp"
+#include "../core/config.hpp"
 #include "../core/rng.hpp"
 #include "module.hpp"
 
@@ -125,21 +126,25 @@ struct gru_ops {
 template <>
 struct gru_ops<cpu> : cpu_kernels::gru_pointwise {};
 
-/// One torch.nn.GRUCell(D, D) step used as a gated residual: out = GRU(input y, hidden x).
+/// One torch.nn.GRUCell(D, D) step used as a gated residual: out = GRU(input y, hidden x). D may be
+/// `dynamic` (a runtime-shape model): it is then given at construction.
 template <class T, std::size_t D, class Backend = cpu>
 class gru_gate {
     using K = ops<Backend>;
     using G = gru_ops<Backend>;
-    static_assert(D != dynamic, "mnemo: gru_gate needs a static d_model");
-    static constexpr index_t d_ = static_cast<index_t>(D);
-    static constexpr index_t d3_ = 3 * d_;
+    [[no_unique_address]] extent_holder<D> d_;
+    [[no_unique_address]] extent_holder<D == dynamic ? dynamic : 3 * D> d3_;
 
 public:
     static constexpr std::size_t features = D;
 
     /// Declares `<name>.weight_ih` [3D, D], `<name>.weight_hh` [3D, D], `<name>.bias_ih` [3D],
     /// `<name>.bias_hh` [3D] (torch.nn.GRUCell's state_dict under `<name>`).
-    gru_gate(parameter_set<T>& ps, const std::string& name) {
+    gru_gate(parameter_set<T>& ps, const std::string& name) requires(D != dynamic)
+        : gru_gate(ps, name, static_cast<index_t>(D)) {}
+    /// Runtime extent (must equal D when that is static).
+    gru_gate(parameter_set<T>& ps, const std::string& name, index_t d) : d_(d), d3_(3 * d) {
+        check_extent<D>(d, ("gru_gate '" + name + "'").c_str(), "d_model");
         weight_ih_ = ps.declare(name + ".weight_ih", {d3_, d_});
         weight_hh_ = ps.declare(name + ".weight_hh", {d3_, d_});
         bias_ih_ = ps.declare(name + ".bias_ih", {d3_});

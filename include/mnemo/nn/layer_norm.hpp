@@ -7,8 +7,10 @@
 // The module owns one set of saved statistics for the common case of one call per step; a caller
 // that normalises several tensors with the same parameters in one step passes its own norm_stats.
 #include <string>
+#include <type_traits>
 
 #include "../core/buffer.hpp"
+#include "../core/config.hpp"
 #include "module.hpp"
 
 namespace mnemo {
@@ -20,23 +22,28 @@ struct norm_stats {
     T* rstd = nullptr;
 };
 
+/// D may be `dynamic` (a runtime-shape model): it is then given at construction.
 template <class T, std::size_t D, class Backend = cpu>
 class layer_norm {
     using K = ops<Backend>;
-    static_assert(D != dynamic, "mnemo: layer_norm needs a static feature extent");
+    [[no_unique_address]] extent_holder<D> d_;
 
 public:
     static constexpr std::size_t features = D;
 
-    layer_norm(parameter_set<T>& ps, const std::string& name, T eps = T(1e-5)) : eps_(eps) {
+    layer_norm(parameter_set<T>& ps, const std::string& name, T eps = T(1e-5)) requires(D != dynamic)
+        : layer_norm(ps, name, static_cast<index_t>(D), eps) {}
+    /// Runtime extent (must equal D when that is static).
+    layer_norm(parameter_set<T>& ps, const std::string& name, index_t d, T eps) : d_(d), eps_(eps) {
+        check_extent<D>(d, ("layer_norm '" + name + "'").c_str(), "d_model");
         MNEMO_CHECK(eps > T(0), "layer_norm '", name, "': eps must be positive, got ", eps);
-        weight_ = ps.declare(name + ".weight", {static_cast<index_t>(D)});
-        bias_ = ps.declare(name + ".bias", {static_cast<index_t>(D)});
+        weight_ = ps.declare(name + ".weight", {d_});
+        bias_ = ps.declare(name + ".bias", {d_});
     }
 
     /// PyTorch's default: w = 1, b = 0.
     void reset_parameters() const {
-        for (index_t i = 0; i < static_cast<index_t>(D); ++i) {
+        for (index_t i = 0; i < d_; ++i) {
             weight_.value()[i] = T(1);
             bias_.value()[i] = T(0);
         }
@@ -48,7 +55,9 @@ public:
         static_assert(check_view<D, X, axis::d_model, Backend>());
         static_assert(check_view<D, Y, axis::d_model, Backend>());
         check_rows(x, y, "layer_norm", "x", "y");
-        K::layer_norm_forward(x.rows(), static_cast<index_t>(D), x.data(), x.ld(), weight_.value(), bias_.value(),
+        check_runtime_cols(x, "x");
+        check_runtime_cols(y, "y");
+        K::layer_norm_forward(x.rows(), d_, x.data(), x.ld(), weight_.value(), bias_.value(),
                               eps_, y.data(), y.ld(), stats.mean, stats.rstd);
     }
     /// y = LN(x), and its normalised rows x̂ = (x − μ)·r (before the scale and shift) into xhat, in one
@@ -60,7 +69,7 @@ public:
         static_assert(check_view<D, XH, axis::d_model, Backend>());
         check_rows(x, y, "layer_norm", "x", "y");
         check_rows(x, xhat, "layer_norm", "x", "xhat");
-        K::layer_norm_forward(x.rows(), static_cast<index_t>(D), x.data(), x.ld(), weight_.value(), bias_.value(),
+        K::layer_norm_forward(x.rows(), d_, x.data(), x.ld(), weight_.value(), bias_.value(),
                               eps_, y.data(), y.ld(), static_cast<T*>(nullptr), static_cast<T*>(nullptr), xhat.data(),
                               xhat.ld());
     }
@@ -70,7 +79,7 @@ public:
         static_assert(check_view<D, X, axis::d_model, Backend>());
         static_assert(check_view<D, XH, axis::d_model, Backend>());
         check_rows(x, xhat, "layer_norm", "x", "xhat");
-        K::layer_norm_forward(x.rows(), static_cast<index_t>(D), x.data(), x.ld(), weight_.value(), bias_.value(),
+        K::layer_norm_forward(x.rows(), d_, x.data(), x.ld(), weight_.value(), bias_.value(),
                               eps_, static_cast<T*>(nullptr), index_t(0), static_cast<T*>(nullptr),
                               static_cast<T*>(nullptr), xhat.data(), xhat.ld());
     }
@@ -89,7 +98,7 @@ public:
         static_assert(check_view<D, DX, axis::d_model, Backend>());
         check_rows(x, dy, "layer_norm", "x", "dy");
         if (dx.data()) check_rows(x, dx, "layer_norm", "x", "dx");
-        K::layer_norm_backward(x.rows(), static_cast<index_t>(D), x.data(), x.ld(), weight_.value(), stats.mean,
+        K::layer_norm_backward(x.rows(), d_, x.data(), x.ld(), weight_.value(), stats.mean,
                                stats.rstd, dy.data(), dy.ld(), dx.data(), dx.ld(), weight_.grad(), bias_.grad(),
                                accumulate_dx);
     }
@@ -109,7 +118,7 @@ public:
         static_assert(check_view<D, DX, axis::d_model, Backend>());
         check_rows(x, dy, "layer_norm", "x", "dy");
         check_rows(x, dx, "layer_norm", "x", "dx");
-        K::layer_norm_backward(x.rows(), static_cast<index_t>(D), x.data(), x.ld(), weight_.value(), stats.mean,
+        K::layer_norm_backward(x.rows(), d_, x.data(), x.ld(), weight_.value(), stats.mean,
                                stats.rstd, dy.data(), dy.ld(), dx.data(), dx.ld(), static_cast<T*>(nullptr),
                                static_cast<T*>(nullptr), accumulate_dx);
     }
@@ -125,6 +134,13 @@ public:
     const param<T>& bias() const { return bias_; }
 
 private:
+    /// A view of runtime features (a runtime-shape model's) must have d_model of them; a static view's
+    /// were checked at compile time.
+    template <class V>
+    void check_runtime_cols(const V& v, const char* what) const {
+        if constexpr (std::remove_cvref_t<V>::features == dynamic) check_cols(v, d_, "layer_norm", what);
+    }
+
     T eps_;
     param<T> weight_;  // [D]
     param<T> bias_;    // [D]

@@ -15,9 +15,15 @@ public:
     static constexpr bool has_parameters = false;
 
     no_compression(parameter_set<T>&, const std::string& name) : name_(name) {}
+    /// The constructor of the other compression functions (extents unused; D and Rate may be `dynamic`).
+    no_compression(parameter_set<T>&, const std::string& name, index_t, index_t rate)
+        : name_(name), rate_(rate > 0 ? rate : 1) {}
     void reset_parameters(rng&) const {}
 
-    static index_t compressed_rows(index_t mem_rows, index_t) { return mem_rows / index_t(Rate); }
+    static index_t compressed_rows(index_t mem_rows, index_t) requires(Rate != dynamic) {
+        return mem_rows / index_t(Rate);
+    }
+    index_t compressed_rows(index_t mem_rows, index_t) const requires(Rate == dynamic) { return mem_rows / rate_; }
 
     template <view_of<T> M, view_of<T> O>
     void forward(const M&, index_t, const O&) {
@@ -32,6 +38,7 @@ public:
 
 private:
     std::string name_;
+    index_t rate_ = Rate == dynamic ? 1 : index_t(Rate);
 };
 
 }  // namespace mnemo

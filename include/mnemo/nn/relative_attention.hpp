@@ -62,6 +62,7 @@
 #include <vector>
 
 #include "../core/buffer.hpp"
+#include "../core/config.hpp"
 #include "../core/parallel.hpp"
 #include "../core/rng.hpp"
 #include "../kernels/cpu/softmax.hpp"
@@ -138,25 +139,38 @@ class relative_attention {
     using K = ops<Backend>;
 
 public:
-    static constexpr std::size_t d_model = Config::d_model;
+    static constexpr std::size_t d_model = Config::d_model;  // `dynamic` for runtime_config, as heads and d_head
     static constexpr std::size_t heads = Config::heads;
     static constexpr std::size_t d_head = Config::d_head;
     static constexpr index_t default_n_pos = 4096;
 
-    relative_attention(parameter_set<T>& ps, const std::string& name, index_t n_pos = default_n_pos)
-        : name_(name),
+private:
+    // d_model, heads, d_head: compile-time constants for a static config, runtime values for runtime_config.
+    [[no_unique_address]] extent_holder<d_model> D;
+    [[no_unique_address]] extent_holder<heads> H;
+    [[no_unique_address]] extent_holder<d_head> Dk;
+
+public:
+    /// `shape`: d_model and heads of a runtime-shape model (runtime_config); a static config's own
+    /// (the default) otherwise.
+    relative_attention(parameter_set<T>& ps, const std::string& name, index_t n_pos = default_n_pos,
+                       const model_shape& shape = config_shape<Config>())
+        : D(check_shape<Config>(shape, ("relative_attention '" + name + "'").c_str()).d_model),
+          H(shape.heads),
+          Dk(shape.d_head()),
+          name_(name),
           n_pos_(n_pos),
-          query_(ps, name + ".query.linear", false),
-          key_(ps, name + ".key.linear", false),
-          value_(ps, name + ".value.linear", true),
-          output_(ps, name + ".output", true) {
+          query_(ps, name + ".query.linear", D, D, false),
+          key_(ps, name + ".key.linear", D, D, false),
+          value_(ps, name + ".value.linear", D, D, true),
+          output_(ps, name + ".output", D, D, true) {
         MNEMO_CHECK(n_pos >= 1, "relative_attention '", name, "': n_pos (the number of relative positions P) must be "
                     "at least 1, got ", n_pos);
         // Only the window of rows a call reaches gets gradient: zero_grad, clipping and the optimizers
         // skip the rest (grad_sparsity::rows; backward records the window with touch_grad_rows).
-        r_ = ps.declare(name + ".key_pos_embeddings", {2 * n_pos, index_t(heads), index_t(d_head)}, grad_sparsity::rows);
-        s_ = ps.declare(name + ".key_pos_bias", {2 * n_pos, index_t(heads)}, grad_sparsity::rows);
-        u_ = ps.declare(name + ".query_pos_bias", {index_t(heads), index_t(d_head)});
+        r_ = ps.declare(name + ".key_pos_embeddings", {2 * n_pos, H, Dk}, grad_sparsity::rows);
+        s_ = ps.declare(name + ".key_pos_bias", {2 * n_pos, H}, grad_sparsity::rows);
+        u_ = ps.declare(name + ".query_pos_bias", {H, Dk});
     }
 
     /// Distances above clamp_len use the row of clamp_len (see the top of the file); <= 0: off.
@@ -206,7 +220,8 @@ public:
         set_shape(zq.rows(), zkv.rows(), batch);
         check_rows(zq, out, "relative_attention", "z_q", "out");
         const index_t qb = q_len_ * batch_, kb = k_len_ * batch_, w = window();
-        view<T, d_model, Backend> q(q_.ensure(qb * D), qb), qu(qu_.ensure(qb * D), qb), ctx(ctx_.ensure(qb * D), qb);
+        view<T, d_model, Backend> q(q_.ensure(qb * D), qb, D), qu(qu_.ensure(qb * D), qb, D),
+            ctx(ctx_.ensure(qb * D), qb, D);
         query_.forward(zq, q);
         const index_t mem = k_len_ - q_len_;
         const bool absorb = !reuse.n && use_absorbed(q_len_, mem);
@@ -230,7 +245,7 @@ public:
 
         // q·R over the window of table rows [P − K, P + Q), one GEMM per head: pos[h] [Q·B, W]. (One
         // query position over projected keys: one_query below computes it with the content scores.)
-        T* pos = pos_.ensure(index_t(heads) * qb * w);
+        T* pos = pos_.ensure(H * qb * w);
         const T* r_win = r_.value_rows(n_pos_ - k_len_, n_pos_ - k_len_ + w);
         const bool one_query = q_len_ == 1 && !absorb;
         if (!one_query)
@@ -239,7 +254,7 @@ public:
             });
 
         T* attn = attn_.ensure(batch_ * H * q_len_ * k_len_);
-        const T scale = T(1) / std::sqrt(T(d_head));
+        const T scale = T(1) / std::sqrt(T(index_t(Dk)));
         const T* s_win = s_.value_rows(n_pos_ - k_len_, n_pos_ - k_len_ + w);
         const index_t ld = batch_ * D, ldkv = batch_ * 2 * D;  // row strides of one batch element's sequence
         const std::uint8_t* keep = key_pad_ ? build_keep() : nullptr;
@@ -271,9 +286,9 @@ public:
         auto head = [&](index_t b, index_t h) {
             T* a = attn + (b * H + h) * q_len_ * k_len_;  // [Q, K]
             const index_t off = b * D + h * Dk, kv_off = c0 * ldkv + b * 2 * D + h * Dk;
-            K::template head_gemm_nt<Dk>(q_len_, k_len_ - c0, qu.data() + off, ld, kv + kv_off, ldkv, a + c0, k_len_);
+            head_gemm_nt(q_len_, k_len_ - c0, qu.data() + off, ld, kv + kv_off, ldkv, a + c0, k_len_);
             finish_scores(b, h, a);
-            K::template head_gemm_nn<Dk>(q_len_, k_len_ - c0, a + c0, k_len_, kv + kv_off + D, ldkv, ctx.data() + off, ld);
+            head_gemm_nn(q_len_, k_len_ - c0, a + c0, k_len_, kv + kv_off + D, ldkv, ctx.data() + off, ld);
         };
         if (one_query) {
             one_query_forward(q.data(), qu.data(), r_win, kv, pos, attn, ctx.data(), finish_scores);
@@ -301,17 +316,17 @@ public:
         const index_t qb = q_len_ * batch_, kb = k_len_ * batch_, w = window();
         MNEMO_CHECK(frozen.rows >= 0 && frozen.rows <= kb - qb, "relative_attention '", name_, "': ", frozen.rows,
                     " frozen key rows, but only ", kb - qb, " rows precede the queries");
-        const view<T, d_model, Backend> q(q_.data(), qb), qu(qu_.data(), qb), ctx(ctx_.data(), qb);
+        const view<T, d_model, Backend> q(q_.data(), qb, D), qu(qu_.data(), qb, D), ctx(ctx_.data(), qb, D);
         const T* kv = kv_.data() + kv_base_ * batch_ * 2 * D;
         T* dkv = dkv_.ensure(kb * 2 * D);  // row r: [dk_r, dv_r]
-        view<T, d_model, Backend> d_ctx(d_ctx_.ensure(qb * D), qb), dqu(dqu_.ensure(qb * D), qb),
-            dq(dq_.ensure(qb * D), qb);
+        view<T, d_model, Backend> d_ctx(d_ctx_.ensure(qb * D), qb, D), dqu(dqu_.ensure(qb * D), qb, D),
+            dq(dq_.ensure(qb * D), qb, D);
         output_.backward(ctx, d_out, d_ctx);
 
         const T* attn = attn_.data();
         T* d_scores = d_scores_.ensure(batch_ * H * q_len_ * k_len_);
-        T* d_pos = pos_.ensure(index_t(heads) * qb * w);  // forward's q·R is not needed any more
-        const T scale = T(1) / std::sqrt(T(d_head));
+        T* d_pos = pos_.ensure(H * qb * w);  // forward's q·R is not needed any more
+        const T scale = T(1) / std::sqrt(T(index_t(Dk)));
         const index_t ld = batch_ * D, ldkv = batch_ * 2 * D;
         const index_t mem = k_len_ - q_len_;
         const bool absorb = absorbed_;
@@ -323,11 +338,11 @@ public:
             T* ds = d_scores + (b * H + h) * q_len_ * k_len_;
             const index_t off = b * D + h * Dk, k_off = c0 * ldkv + b * 2 * D + h * Dk, v_off = k_off + D;
             const index_t kc = k_len_ - c0;
-            K::template head_gemm_nt<Dk>(q_len_, kc, d_ctx.data() + off, ld, kv + v_off, ldkv, ds + c0, k_len_);  // dA
-            K::template head_gemm_tn<Dk>(q_len_, kc, a + c0, k_len_, d_ctx.data() + off, ld, dkv + v_off, ldkv);  // dv
+            head_gemm_nt(q_len_, kc, d_ctx.data() + off, ld, kv + v_off, ldkv, ds + c0, k_len_);  // dA
+            head_gemm_tn(q_len_, kc, a + c0, k_len_, d_ctx.data() + off, ld, dkv + v_off, ldkv);  // dv
             K::softmax_backward(q_len_, k_len_, a, k_len_, ds, k_len_, ds, k_len_, scale);  // d raw score
-            K::template head_gemm_nn<Dk>(q_len_, kc, ds + c0, k_len_, kv + k_off, ldkv, dqu.data() + off, ld);  // d(q+u)
-            K::template head_gemm_tn<Dk>(q_len_, kc, ds + c0, k_len_, qu.data() + off, ld, dkv + k_off, ldkv);  // dk
+            head_gemm_nn(q_len_, kc, ds + c0, k_len_, kv + k_off, ldkv, dqu.data() + off, ld);  // d(q+u)
+            head_gemm_tn(q_len_, kc, ds + c0, k_len_, qu.data() + off, ld, dkv + k_off, ldkv);  // dk
             // The positional scores' gradient lands on window column Q + j − i of row (i, b).
             T* ph = d_pos + h * qb * w;
             for (index_t i = 0; i < q_len_; ++i) {
@@ -360,7 +375,7 @@ public:
         for_each_head(qb * w * Dk, [&](index_t h) {
             const T* ph = d_pos + h * qb * w;
             T* col = cols + h * w;
-            K::template head_gemm_nn<Dk>(qb, w, ph, w, r_win + h * Dk, D, dq.data() + h * Dk, D);
+            head_gemm_nn(qb, w, ph, w, r_win + h * Dk, D, dq.data() + h * Dk, D);
             K::gemm_tn(w, Dk, qb, ph, w, q.data() + h * Dk, D, dr_win + h * Dk, D, T(1));
             for (index_t c = 0; c < w; ++c) col[c] = T(0);
             K::sum_rows_accumulate(qb, w, ph, w, col);
@@ -403,8 +418,6 @@ public:
     const param<T>& query_pos_bias() const { return u_; }
 
 private:
-    static constexpr index_t D = index_t(d_model), H = index_t(heads), Dk = index_t(d_head);
-
     void set_shape(index_t q_rows, index_t kv_rows, index_t batch) {
         MNEMO_CHECK(batch >= 1, "relative_attention '", name_, "': batch must be at least 1, got ", batch);
         MNEMO_CHECK(q_rows % batch == 0 && kv_rows % batch == 0, "relative_attention '", name_, "': ", q_rows,
@@ -420,6 +433,34 @@ private:
     }
     index_t window() const { return k_len_ + q_len_; }
 
+    // The per-head products (kernels/cpu/head_products.hpp): with d_head a compile-time width for a
+    // static config, with the runtime width of a runtime-shape model otherwise (the same routes and sums).
+    template <class... A>
+    void head_gemm_nt(A... a) const {
+        if constexpr (d_head != dynamic) K::template head_gemm_nt<index_t(d_head)>(a...);
+        else K::head_gemm_nt(index_t(Dk), a...);
+    }
+    template <class... A>
+    void head_gemm_nn(A... a) const {
+        if constexpr (d_head != dynamic) K::template head_gemm_nn<index_t(d_head)>(a...);
+        else K::head_gemm_nn(index_t(Dk), a...);
+    }
+    template <class... A>
+    void head_gemm_tn(A... a) const {
+        if constexpr (d_head != dynamic) K::template head_gemm_tn<index_t(d_head)>(a...);
+        else K::head_gemm_tn(index_t(Dk), a...);
+    }
+    template <class... A>
+    void heads_dot_rows(A... a) const {
+        if constexpr (d_head != dynamic) K::template heads_dot_rows<index_t(d_head)>(a...);
+        else K::heads_dot_rows(index_t(Dk), a...);
+    }
+    template <class... A>
+    void heads_weighted_rows(A... a) const {
+        if constexpr (d_head != dynamic) K::template heads_weighted_rows<index_t(d_head)>(a...);
+        else K::heads_weighted_rows(index_t(Dk), a...);
+    }
+
     /// The per-(batch, head) loops go to threads when they hold enough work: about 64K multiply-adds
     /// of scores (one generated token over a short memory stays on the calling thread, where an
     /// OpenMP fork and join would cost more than the loop).
@@ -428,7 +469,7 @@ private:
     /// 64K multiply-adds in all (each head's GEMMs then run on one thread; results do not depend on
     /// the thread count either way).
     template <class F>
-    static void for_each_head(index_t work_per_head, F&& f) {
+    void for_each_head(index_t work_per_head, F&& f) const {
         parallel_range(H, H * work_per_head >= (index_t(1) << 16), [&](index_t h0, index_t h1) {
             for (index_t h = h0; h < h1; ++h) f(h);
         });
@@ -549,9 +590,9 @@ private:
             for (index_t i = i0; i < i1; ++i) {
                 const index_t b = i / blocks, r0 = i % blocks * block;
                 // pos[h] [B, W]: row b of head h at h·B·W + b·W; attn [B, H, K]
-                K::template heads_dot_rows<Dk>(H, r0, std::min(r0 + block, w), q + b * D, r_win, D, pos + b * w,
+                heads_dot_rows(H, r0, std::min(r0 + block, w), q + b * D, r_win, D, pos + b * w,
                                                batch_ * w);
-                K::template heads_dot_rows<Dk>(H, r0, std::min(r0 + block, k_len_), qu + b * D, kv + b * 2 * D, ldkv,
+                heads_dot_rows(H, r0, std::min(r0 + block, k_len_), qu + b * D, kv + b * 2 * D, ldkv,
                                                attn + b * H * k_len_, k_len_);
             }
         });
@@ -560,7 +601,7 @@ private:
                 const index_t b = i / H, h0 = i % H, h1 = std::min<index_t>(H, h0 + (i1 - i));
                 T* a = attn + b * H * k_len_;
                 for (index_t h = h0; h < h1; ++h) finish_scores(b, h, a + h * k_len_);
-                K::template heads_weighted_rows<Dk>(h0, h1, k_len_, a, k_len_, kv + b * 2 * D + D, ldkv, ctx + b * D);
+                heads_weighted_rows(h0, h1, k_len_, a, k_len_, kv + b * 2 * D + D, ldkv, ctx + b * D);
                 i += h1 - h0;
             }
         });
@@ -713,7 +754,7 @@ private:
     }
 
     /// out = row∘γ; returns row·β.
-    static T scale_row(const T* row, const T* gamma, const T* beta, T* out) {
+    T scale_row(const T* row, const T* gamma, const T* beta, T* out) const {
         T dot = T(0);
 #pragma omp simd reduction(+ : dot)
         for (index_t i = 0; i < D; ++i) {

@@ -6,9 +6,17 @@
 
 namespace mnemo {
 
+/// D may be `dynamic` (a runtime-shape model): the width is then the views' own (checked to agree).
 template <class T, std::size_t D, class Backend = cpu>
 struct residual {
     using K = ops<Backend>;
+
+    /// The features of v: D, or v's own for a runtime D.
+    template <class V>
+    static index_t width(const V& v) {
+        if constexpr (D != dynamic) return static_cast<index_t>(D);
+        else return v.cols();
+    }
 
     /// y = x + f (y may alias x or f)
     template <view_of<T> X, view_of<T> F, view_of<T> Y>
@@ -18,7 +26,11 @@ struct residual {
         static_assert(check_view<D, Y, axis::d_model, Backend>());
         check_rows(x, f, "residual", "x", "f");
         check_rows(x, y, "residual", "x", "y");
-        K::add(x.rows(), static_cast<index_t>(D), x.data(), x.ld(), f.data(), f.ld(), y.data(), y.ld());
+        if constexpr (D == dynamic) {
+            check_cols(f, x.cols(), "residual", "f");
+            check_cols(y, x.cols(), "residual", "y");
+        }
+        K::add(x.rows(), width(x), x.data(), x.ld(), f.data(), f.ld(), y.data(), y.ld());
     }
 
     /// dx (= or +=) dy, df (= or +=) dy; either may be an empty view to skip it.
@@ -29,13 +41,15 @@ struct residual {
         static_assert(check_view<D, DF, axis::d_model, Backend>());
         if (dx.data()) {
             check_rows(dy, dx, "residual", "dy", "dx");
+            if constexpr (D == dynamic) check_cols(dx, dy.cols(), "residual", "dx");
             if (dx.data() != dy.data() || accumulate)
-                K::copy(dy.rows(), static_cast<index_t>(D), dy.data(), dy.ld(), dx.data(), dx.ld(), accumulate);
+                K::copy(dy.rows(), width(dy), dy.data(), dy.ld(), dx.data(), dx.ld(), accumulate);
         }
         if (df.data()) {
             check_rows(dy, df, "residual", "dy", "df");
+            if constexpr (D == dynamic) check_cols(df, dy.cols(), "residual", "df");
             if (df.data() != dy.data() || accumulate)
-                K::copy(dy.rows(), static_cast<index_t>(D), dy.data(), dy.ld(), df.data(), df.ld(), accumulate);
+                K::copy(dy.rows(), width(dy), dy.data(), dy.ld(), df.data(), df.ld(), accumulate);
         }
     }
 };

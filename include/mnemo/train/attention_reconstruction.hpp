@@ -39,9 +39,17 @@ template <class T, class Config, class Backend = cpu>
 class attention_reconstruction {
     using K = ops<Backend>;
     static constexpr std::size_t DM = Config::d_model;
-    static constexpr index_t D = index_t(Config::d_model), H = index_t(Config::heads), Dk = index_t(Config::d_head);
+    // d_model, heads, d_head: compile-time constants for a static config, runtime values for runtime_config.
+    [[no_unique_address]] extent_holder<Config::d_model> D;
+    [[no_unique_address]] extent_holder<Config::heads> H;
+    [[no_unique_address]] extent_holder<Config::d_head> Dk;
 
 public:
+    /// `shape`: d_model and heads of a runtime-shape model (runtime_config); a static config's own
+    /// (the default) otherwise.
+    explicit attention_reconstruction(const model_shape& shape = config_shape<Config>())
+        : D(check_shape<Config>(shape, "attention_reconstruction").d_model), H(shape.heads), Dk(shape.d_head()) {}
+
     /// What the layer's last forward computed from the same inputs, bitwise what compute() would:
     /// queries, the attention's query projection of the (normalised) h [Q·B, D]; normalized_m, the
     /// norm's output for m's rows [n_old·B, D] (null: computed here).
@@ -67,26 +75,26 @@ public:
               Compression& compress, view<const T, DM, Backend> h, view<const T, DM, Backend> m, index_t batch,
               bool with_grad, const std::uint8_t* h_pad = nullptr, const std::uint8_t* m_pad = nullptr,
               const saved_forward& saved = {}) {
-        const index_t qb = h.rows(), mb = m.rows(), cb = Compression::compressed_rows(mb, batch);
+        const index_t qb = h.rows(), mb = m.rows(), cb = compress.compressed_rows(mb, batch);
         const index_t q_len = qb / batch, m_len = mb / batch, c_len = cb / batch;
-        view<T, DM, Backend> cm(cm_.ensure(cb * D), cb);
+        view<T, DM, Backend> cm(cm_.ensure(cb * D), cb, D);
         compress.forward(m, batch, cm);
 
         // Normalise with the layer's norm, parameters read as constants.
         view<const T, DM, Backend> hn = h, mn = m, cn = cm;
         norm_stats<T> st_c{};
         if (norm) {
-            view<T, DM, Backend> cw(cn_.ensure(cb * D), cb);
+            view<T, DM, Backend> cw(cn_.ensure(cb * D), cb, D);
             st_c = {st_c_.ensure(cb), st_c_r_.ensure(cb)};
             if (!saved.queries) {
-                view<T, DM, Backend> hw(hn_.ensure(qb * D), qb);
+                view<T, DM, Backend> hw(hn_.ensure(qb * D), qb, D);
                 norm->forward(h, hw, norm_stats<T>{});
                 hn = hw;
             }
             if (saved.normalized_m) {
-                mn = view<const T, DM, Backend>(saved.normalized_m, mb);
+                mn = view<const T, DM, Backend>(saved.normalized_m, mb, D);
             } else {
-                view<T, DM, Backend> mw(mn_.ensure(mb * D), mb);
+                view<T, DM, Backend> mw(mn_.ensure(mb * D), mb, D);
                 norm->forward(m, mw, norm_stats<T>{});
                 mn = mw;
             }
@@ -94,11 +102,11 @@ public:
             cn = cw;
         }
 
-        view<T, DM, Backend> km(km_.ensure(mb * D), mb), vm(vm_.ensure(mb * D), mb), kc(kc_.ensure(cb * D), cb),
-            vc(vc_.ensure(cb * D), cb);
-        view<const T, DM, Backend> q(saved.queries, qb);
+        view<T, DM, Backend> km(km_.ensure(mb * D), mb, D), vm(vm_.ensure(mb * D), mb, D),
+            kc(kc_.ensure(cb * D), cb, D), vc(vc_.ensure(cb * D), cb, D);
+        view<const T, DM, Backend> q(saved.queries, qb, D);
         if (!saved.queries) {
-            view<T, DM, Backend> qw(q_.ensure(qb * D), qb);
+            view<T, DM, Backend> qw(q_.ensure(qb * D), qb, D);
             attn.query().forward(hn, qw);
             q = qw;
         }
@@ -115,7 +123,7 @@ public:
                 attn.value().forward(cn, vc);
             });
 
-        view<T, DM, Backend> out_m(out_m_.ensure(qb * D), qb), out_c(out_c_.ensure(qb * D), qb);
+        view<T, DM, Backend> out_m(out_m_.ensure(qb * D), qb, D), out_c(out_c_.ensure(qb * D), qb, D);
         T* a_m = a_m_.ensure(batch * H * q_len * m_len);
         T* a_c = a_c_.ensure(batch * H * q_len * c_len);
         // Key masks [B, n] (1 = visible) from the padding of m and of the compressed slots.
@@ -165,20 +173,20 @@ public:
 
         const T g = T(2) / T(n);
         for (index_t i = 0; i < qb * D; ++i) diff[i] *= g;  // now d loss / d out_c (0 on padded rows)
-        view<T, DM, Backend> dkc(dkc_.ensure(cb * D), cb), dvc(dvc_.ensure(cb * D), cb), dcn(dcn_.ensure(cb * D), cb),
-            dcm(dcm_.ensure(cb * D), cb);
+        view<T, DM, Backend> dkc(dkc_.ensure(cb * D), cb, D), dvc(dvc_.ensure(cb * D), cb, D),
+            dcn(dcn_.ensure(cb * D), cb, D), dcm(dcm_.ensure(cb * D), cb, D);
         T* da = da_.ensure(batch * H * q_len * c_len);
-        const T scale = T(1) / std::sqrt(T(Dk));
+        const T scale = T(1) / std::sqrt(T(index_t(Dk)));
         const index_t ld = batch * D;
         parallel_range(batch * H, true, [&](index_t begin, index_t end) {
             for (index_t bh = begin; bh < end; ++bh) {
                 const index_t b = bh / H, hh = bh % H;
                 const index_t off = b * D + hh * Dk, a_off = (b * H + hh) * q_len * c_len;
                 T* dab = da + a_off;
-                K::template head_gemm_nt<Dk>(q_len, c_len, diff + off, ld, vc.data() + off, ld, dab, c_len);      // dA
-                K::template head_gemm_tn<Dk>(q_len, c_len, a_c + a_off, c_len, diff + off, ld, dvc.data() + off, ld);  // dv
+                head_gemm_nt(q_len, c_len, diff + off, ld, vc.data() + off, ld, dab, c_len);      // dA
+                head_gemm_tn(q_len, c_len, a_c + a_off, c_len, diff + off, ld, dvc.data() + off, ld);  // dv
                 K::softmax_backward(q_len, c_len, a_c + a_off, c_len, dab, c_len, dab, c_len, scale);
-                K::template head_gemm_tn<Dk>(q_len, c_len, dab, c_len, q.data() + off, ld, dkc.data() + off, ld);  // dk
+                head_gemm_tn(q_len, c_len, dab, c_len, q.data() + off, ld, dkc.data() + off, ld);  // dk
             }
         });
         attn.key().backward_input(dkc, dcn);
@@ -191,18 +199,17 @@ public:
 private:
     // out [Q·B, D] = per (b, head) softmax(scale·q·kᵀ)·v over all n keys; a [B, H, Q, n] saved.
     // keep [B, n] (optional, 1 = visible) masks keys of the batch elements with any[b] set.
-    static void plain_attention(view<const T, DM, Backend> q, view<const T, DM, Backend> k,
-                                view<const T, DM, Backend> v, T* a, view<T, DM, Backend> out, index_t batch,
-                                index_t q_len, index_t n, const std::uint8_t* keep = nullptr,
-                                const std::uint8_t* any = nullptr) {
-        const T scale = T(1) / std::sqrt(T(Dk));
+    void plain_attention(view<const T, DM, Backend> q, view<const T, DM, Backend> k, view<const T, DM, Backend> v,
+                         T* a, view<T, DM, Backend> out, index_t batch, index_t q_len, index_t n,
+                         const std::uint8_t* keep = nullptr, const std::uint8_t* any = nullptr) const {
+        const T scale = T(1) / std::sqrt(T(index_t(Dk)));
         const index_t ld = batch * D;
         parallel_range(batch * H, true, [&](index_t begin, index_t end) {
             for (index_t bh = begin; bh < end; ++bh) {
                 const index_t b = bh / H, hh = bh % H;
                 const index_t off = b * D + hh * Dk;
                 T* ab = a + (b * H + hh) * q_len * n;
-                K::template head_gemm_nt<Dk>(q_len, n, q.data() + off, ld, k.data() + off, ld, ab, n);
+                head_gemm_nt(q_len, n, q.data() + off, ld, k.data() + off, ld, ab, n);
                 softmax_mask mask{};
                 if (keep && any[b]) {
                     mask.keep = keep + b * n;
@@ -210,9 +217,26 @@ private:
                 }
                 if (!mask.keep) K::softmax_contiguous(q_len, n, ab, scale);
                 else K::softmax_forward(q_len, n, ab, n, ab, n, scale, mask);
-                K::template head_gemm_nn<Dk>(q_len, n, ab, n, v.data() + off, ld, out.data() + off, ld);
+                head_gemm_nn(q_len, n, ab, n, v.data() + off, ld, out.data() + off, ld);
             }
         });
+    }
+
+    // The per-head products with d_head a compile-time width (static config) or a runtime one.
+    template <class... A>
+    void head_gemm_nt(A... a) const {
+        if constexpr (Config::d_head != dynamic) K::template head_gemm_nt<index_t(Config::d_head)>(a...);
+        else K::head_gemm_nt(index_t(Dk), a...);
+    }
+    template <class... A>
+    void head_gemm_nn(A... a) const {
+        if constexpr (Config::d_head != dynamic) K::template head_gemm_nn<index_t(Config::d_head)>(a...);
+        else K::head_gemm_nn(index_t(Dk), a...);
+    }
+    template <class... A>
+    void head_gemm_tn(A... a) const {
+        if constexpr (Config::d_head != dynamic) K::template head_gemm_tn<index_t(Config::d_head)>(a...);
+        else K::head_gemm_tn(index_t(Dk), a...);
     }
 
     buffer<T> cm_, hn_, mn_, cn_, q_, km_, vm_, kc_, vc_, out_m_, out_c_, a_m_, a_c_, diff_;

@@ -46,23 +46,28 @@ namespace mnemo {
 
 /// ConvTranspose1d(D, D, kernel_size=Rate, stride=Rate) over the time axis, with bias: the decoder
 /// of the auto-encoding loss, [n·batch, D] → [n·Rate·batch, D].
+/// D and Rate may be `dynamic` (a runtime-shape model): they are then given at construction.
 template <class T, std::size_t D, std::size_t Rate, class Backend = cpu>
 class conv_transpose_decoder {
     using K = ops<Backend>;
     using C = compression_ops<Backend>;
     static_assert(expect_compression_rate<Rate>::value);
-    static_assert(D != dynamic, "mnemo: conv_transpose_decoder needs a static d_model");
-    static constexpr index_t d_ = static_cast<index_t>(D);
-    static constexpr index_t c_ = static_cast<index_t>(Rate);
-    static constexpr index_t k_ = static_cast<index_t>(D * Rate);  // columns of Y, and of W as [D, D·Rate]
+    [[no_unique_address]] extent_holder<D> d_;
+    [[no_unique_address]] extent_holder<Rate> c_;
+    // Columns of Y, and of W as [D, D·Rate].
+    [[no_unique_address]] extent_holder<D == dynamic || Rate == dynamic ? dynamic : D * Rate> k_;
 
 public:
     static constexpr std::size_t rate = Rate;
     static constexpr std::size_t features = D;
 
     /// Declares `<prefix>.weight` [D, D, Rate] ([in, out, kernel]) and `<prefix>.bias` [D].
-    conv_transpose_decoder(parameter_set<T>& ps, const std::string& prefix)
-        : name_(prefix), who_("conv_transpose_decoder '" + prefix + "'") {
+    conv_transpose_decoder(parameter_set<T>& ps, const std::string& prefix) requires(D != dynamic && Rate != dynamic)
+        : conv_transpose_decoder(ps, prefix, static_cast<index_t>(D), static_cast<index_t>(Rate)) {}
+    /// Runtime extents (each must equal the static one where that is fixed).
+    conv_transpose_decoder(parameter_set<T>& ps, const std::string& prefix, index_t d, index_t rate)
+        : d_(d), c_(rate), k_(d * rate), name_(prefix), who_("conv_transpose_decoder '" + prefix + "'") {
+        detail::compression_shape::check_extents<D, Rate>(who_, d, rate);
         weight_ = ps.declare(prefix + ".weight", {d_, d_, c_});
         bias_ = ps.declare(prefix + ".bias", {d_});
     }
@@ -76,7 +81,7 @@ public:
     }
 
     /// Rows of the decoded memory for `cm_rows` compressed rows: cm_rows · Rate.
-    static constexpr index_t decoded_rows(index_t cm_rows) { return cm_rows * c_; }
+    index_t decoded_rows(index_t cm_rows) const { return cm_rows * c_; }
 
     /// out [n·Rate·batch, D] = g(cm [n·batch, D]) (assigned). Keeps nothing: backward takes cm again.
     template <view_of<T> CM, view_of<T> O>
@@ -86,7 +91,7 @@ public:
         const index_t rows = check(cm, batch, out, "out");
         T* y = y_.ensure(rows * k_);  // Y [n·batch, D·Rate], column o·Rate + t
         K::gemm_nn(rows, k_, d_, cm.data(), cm.ld(), weight_.value(), k_, y, k_);
-        C::template col2im_time<Rate>(rows, batch, d_, y, out.data(), out.ld());
+        C::template col2im_time<Rate>(rows, batch, d_, y, out.data(), out.ld(), c_);
         K::add_bias_rows(rows * c_, d_, bias_.value(), out.data(), out.ld());
     }
 
@@ -103,7 +108,7 @@ public:
             MNEMO_CHECK(d_cm.rows() == rows, who_, ": d_cm has ", d_cm.rows(), " rows but cm has ", rows);
         }
         T* dy = dy_.ensure(rows * k_);  // dY [n·batch, D·Rate]
-        C::template im2col_time<Rate>(rows, batch, d_, d_out.data(), d_out.ld(), dy);
+        C::template im2col_time<Rate>(rows, batch, d_, d_out.data(), d_out.ld(), dy, c_);
         K::gemm_tn(d_, k_, rows, cm.data(), cm.ld(), dy, k_, weight_.grad(), k_, T(1));
         K::sum_rows_accumulate(rows * c_, d_, d_out.data(), d_out.ld(), bias_.grad());
         if (d_cm.data()) K::gemm_nt(rows, d_, k_, dy, k_, weight_.value(), k_, d_cm.data(), d_cm.ld());
@@ -123,7 +128,7 @@ private:
         const index_t rows = cm.rows();
         MNEMO_CHECK(rows % batch == 0, who_, ": cm has ", rows, " rows, not a multiple of batch ", batch);
         MNEMO_CHECK(out.rows() == rows * c_, who_, ": ", out_name, " has ", out.rows(), " rows, expected cm rows ",
-                    rows, " x rate ", Rate, " = ", rows * c_);
+                    rows, " x rate ", index_t(c_), " = ", rows * c_);
         return rows;
     }
 
@@ -137,11 +142,15 @@ private:
 /// The auto-encoding loss of one layer: mean((g(f_c(m)) − m)²), gradients into f_c and g only.
 template <class T, std::size_t D, std::size_t Rate, class Backend = cpu>
 class autoencoding_reconstruction {
-    static constexpr index_t d_ = static_cast<index_t>(D);
-    static constexpr index_t c_ = static_cast<index_t>(Rate);
+    [[no_unique_address]] extent_holder<D> d_;
+    [[no_unique_address]] extent_holder<Rate> c_;
 
 public:
     using decoder_type = conv_transpose_decoder<T, D, Rate, Backend>;
+
+    autoencoding_reconstruction() requires(D != dynamic && Rate != dynamic) = default;
+    /// Runtime extents (D and Rate `dynamic`: a runtime-shape model).
+    autoencoding_reconstruction(index_t d, index_t rate) : d_(d), c_(rate) {}
 
     /// The loss for m [n·Rate·batch, D] (the slots just compressed away; rows a multiple of
     /// Rate·batch); 0 for an empty m. When `with_grad`, g's and f_c's parameter gradients +=
@@ -158,10 +167,10 @@ public:
         const index_t mb = m.rows();
         MNEMO_CHECK(batch > 0, "autoencoding_reconstruction: batch must be positive, got ", batch);
         MNEMO_CHECK(mb % (c_ * batch) == 0, "autoencoding_reconstruction: memory has ", mb,
-                    " rows, not a multiple of compression rate ", Rate, " x batch ", batch, " = ", c_ * batch);
+                    " rows, not a multiple of compression rate ", index_t(c_), " x batch ", batch, " = ", c_ * batch);
         if (mb == 0) return 0.0;
         const index_t cb = mb / c_;
-        view<T, D, Backend> cm(cm_.ensure(cb * d_), cb), y(y_.ensure(mb * d_), mb);
+        view<T, D, Backend> cm(cm_.ensure(cb * d_), cb, d_), y(y_.ensure(mb * d_), mb, d_);
         f_c.forward(m, batch, cm);
         g.forward(view<const T, D, Backend>(cm), batch, y);
 
@@ -182,7 +191,7 @@ public:
         const T scale = static_cast<T>(2.0 / double(n));
         for (index_t i = 0; i < n; ++i) y.data()[i] *= scale;  // now d loss / d y
         if constexpr (Compression::has_parameters) {
-            view<T, D, Backend> dcm(dcm_.ensure(cb * d_), cb);
+            view<T, D, Backend> dcm(dcm_.ensure(cb * d_), cb, d_);
             g.backward(view<const T, D, Backend>(cm), batch, view<const T, D, Backend>(y), dcm);
             f_c.backward(m, batch, view<const T, D, Backend>(dcm), view<T, D, Backend>());
         } else {

@@ -41,18 +41,27 @@
 #include <vector>
 
 #include "../core/buffer.hpp"
+#include "../core/config.hpp"
 #include "../core/error.hpp"
 #include "../core/view.hpp"
 
 namespace mnemo {
 
+/// D may be `dynamic` (a runtime-shape model): d_model is then given at construction.
 template <class T, std::size_t D, class Backend = cpu>
 class compressive_memory {
+    [[no_unique_address]] extent_holder<D> d_;
+
 public:
     /// mem_len: uncompressed slots kept; c_mem_len: compressed slots kept (0: Transformer-XL);
     /// rate: the compression rate c of the model.
-    compressive_memory(index_t n_layers, index_t mem_len, index_t c_mem_len, index_t rate)
-        : n_layers_(n_layers), mem_len_(mem_len), c_mem_len_(c_mem_len), rate_(rate), layers_(std::size_t(n_layers)) {
+    compressive_memory(index_t n_layers, index_t mem_len, index_t c_mem_len, index_t rate) requires(D != dynamic)
+        : compressive_memory(n_layers, mem_len, c_mem_len, rate, static_cast<index_t>(D)) {}
+    /// d_model given too (must equal D when that is static).
+    compressive_memory(index_t n_layers, index_t mem_len, index_t c_mem_len, index_t rate, index_t d_model)
+        : d_(d_model), n_layers_(n_layers), mem_len_(mem_len), c_mem_len_(c_mem_len), rate_(rate),
+          layers_(std::size_t(n_layers)) {
+        check_extent<D>(d_model, "memory", "d_model");
         MNEMO_CHECK(n_layers >= 1, "memory: n_layers must be at least 1, got ", n_layers);
         MNEMO_CHECK(mem_len >= 0, "memory: mem_len must be >= 0, got ", mem_len);
         MNEMO_CHECK(c_mem_len >= 0, "memory: c_mem_len must be >= 0, got ", c_mem_len);
@@ -72,8 +81,8 @@ public:
         const index_t m = mem_len_ + max_segment + rate_;
         const index_t cm = c_mem_len_ + (max_segment + mem_len_) / rate_ + 1;
         for (auto& l : layers_) {
-            l.mem.reset(2 * m * batch * index_t(D));
-            l.c_mem.reset(c_mem_len_ > 0 ? 2 * cm * batch * index_t(D) : 0);
+            l.mem.reset(2 * m * batch * d_);
+            l.c_mem.reset(c_mem_len_ > 0 ? 2 * cm * batch * d_ : 0);
             l.away = nullptr;
         }
         for (auto* p : {&pad_, &away_pad_}) {
@@ -141,8 +150,8 @@ public:
         away_slots_ = 0;
         new_epoch();
         for (auto& l : layers_) {
-            l.mem.assign_size(mem_slots * batch_ * index_t(D));
-            l.c_mem.assign_size(c_mem_slots * batch_ * index_t(D));
+            l.mem.assign_size(mem_slots * batch_ * d_);
+            l.c_mem.assign_size(c_mem_slots * batch_ * d_);
             l.away = nullptr;
         }
         pad_.assign(std::size_t(mem_slots * batch_), 0);
@@ -159,7 +168,7 @@ public:
         const index_t q_rows = new_inputs(index_t(0)).rows();
         MNEMO_CHECK(q_rows % batch_ == 0, "memory: ", q_rows, " new rows are not a multiple of the batch ", batch_);
         const index_t q = q_rows / batch_, len = mem_slots_ + q;
-        const index_t row = batch_ * index_t(D);  // elements per slot
+        const index_t row = batch_ * d_;  // elements per slot
         index_t n_drop = 0, n_old = 0;
         if (len > mem_len_) {
             if (compressive()) n_old = (len - mem_len_ + rate_ - 1) / rate_ * rate_;
@@ -171,13 +180,14 @@ public:
             auto& s = layers_[std::size_t(l)];
             const auto x = new_inputs(l);
             MNEMO_CHECK(x.rows() == q_rows, "memory: layer ", l, " has ", x.rows(), " new rows, layer 0 has ", q_rows);
-            T* fresh = s.mem.grow(q_rows * index_t(D));
-            for (index_t r = 0; r < q_rows; ++r) std::memcpy(fresh + r * index_t(D), x.row(r), sizeof(T) * D);
+            T* fresh = s.mem.grow(q_rows * d_);
+            for (index_t r = 0; r < q_rows; ++r) std::memcpy(fresh + r * d_, x.row(r), sizeof(T) * std::size_t(d_));
             s.away = nullptr;
             if (n_old > 0) {
                 s.away = s.mem.data();  // stays in place: drop_front moves only the window's start
                 T* out = s.c_mem.grow(n_new_c * row);
-                compress(l, view<const T, D, Backend>(s.away, n_old * batch_), view<T, D, Backend>(out, n_new_c * batch_));
+                compress(l, view<const T, D, Backend>(s.away, n_old * batch_, d_),
+                         view<T, D, Backend>(out, n_new_c * batch_, d_));
                 s.c_mem.drop_front(c_drop * row);
             }
             s.mem.drop_front((n_old + n_drop) * row);
@@ -255,7 +265,9 @@ private:
         const T* away = nullptr;   // the slots the last merge compressed away, in mem's buffer
     };
 
-    view<const T, D, Backend> rows(const T* p, index_t slots) const { return view<const T, D, Backend>(p, slots * batch_); }
+    view<const T, D, Backend> rows(const T* p, index_t slots) const {
+        return view<const T, D, Backend>(p, slots * batch_, d_);
+    }
     void new_epoch() {
         static std::atomic<std::uint64_t> counter{0};
         epoch_ = ++counter;
