@@ -8,11 +8,13 @@
 // one line naming the flag.
 #include <CLI/CLI.hpp>
 
+#include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
 #include <map>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -119,40 +121,48 @@ struct command_line {
     const std::string& at(const std::string& f) const { return given.at(f); }
 };
 
+/// A whole decimal integer (the whole of s: no spaces, no '+', in range), or nothing.
+inline std::optional<long long> whole_integer(const std::string& s) {
+    long long x = 0;
+    const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), x);
+    if (s.empty() || ec != std::errc() || end != s.data() + s.size()) return std::nullopt;
+    return x;
+}
+/// A finite number (the whole of s), or nothing.
+inline std::optional<double> finite_number(const std::string& s) {
+    std::size_t used = 0;
+    double x = 0;
+    try {
+        x = std::stod(s, &used);
+    } catch (const std::exception&) {
+        return std::nullopt;
+    }
+    if (s.empty() || used != s.size() || !std::isfinite(x)) return std::nullopt;
+    return x;
+}
+
 /// "N" ranges: a whole decimal integer in [min, max]; "X": a finite number in [min, max].
 inline CLI::Validator range_validator(const flag_spec& f) {
     return CLI::Validator(
         [f](std::string& s) -> std::string {
+            const auto bound = [&](double b) {
+                char t[32];
+                if (f.kind == flag_kind::integer) std::snprintf(t, sizeof t, "%lld", (long long)b);
+                else std::snprintf(t, sizeof t, "%g", b);
+                return std::string(t);
+            };
+            double x = 0;
             if (f.kind == flag_kind::integer) {
-                std::size_t used = 0;
-                long long x = 0;
-                try {
-                    x = std::stoll(s, &used);
-                } catch (const std::exception&) {
-                    used = 0;
-                }
-                if (s.empty() || used != s.size()) return "expects an integer, got '" + s + "'";
-                if (double(x) < f.min) return "must be at least " + std::to_string((long long)f.min) + ", got " + s;
-                if (double(x) > f.max) return "must be at most " + std::to_string((long long)f.max) + ", got " + s;
+                const auto v = whole_integer(s);
+                if (!v) return "expects an integer, got '" + s + "'";
+                x = double(*v);
             } else {
-                std::size_t used = 0;
-                double x = 0;
-                try {
-                    x = std::stod(s, &used);
-                } catch (const std::exception&) {
-                    used = 0;
-                }
-                if (s.empty() || used != s.size() || !std::isfinite(x)) return "expects a number, got '" + s + "'";
-                char b[32];
-                if (x < f.min) {
-                    std::snprintf(b, sizeof b, "%g", f.min);
-                    return std::string("must be at least ") + b + ", got " + s;
-                }
-                if (x > f.max) {
-                    std::snprintf(b, sizeof b, "%g", f.max);
-                    return std::string("must be at most ") + b + ", got " + s;
-                }
+                const auto v = finite_number(s);
+                if (!v) return "expects a number, got '" + s + "'";
+                x = *v;
             }
+            if (x < f.min) return "must be at least " + bound(f.min) + ", got " + s;
+            if (x > f.max) return "must be at most " + bound(f.max) + ", got " + s;
             return {};
         },
         "", "range");

@@ -100,11 +100,9 @@ struct variants {
 // A whole decimal integer (no sign other than '-', no trailing characters), else an error naming
 // where it came from.
 index_t parse_integer(const std::string& s, const std::string& what) {
-    index_t x = 0;
-    const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), x);
-    if (s.empty() || ec != std::errc() || end != s.data() + s.size())
-        fail("mnemo_eval: ", what, " expects an integer, got '", s, "'");
-    return x;
+    const auto x = ex::whole_integer(s);
+    if (!x) fail("mnemo_eval: ", what, " expects an integer, got '", s, "'");
+    return index_t(*x);
 }
 
 options parse(int argc, char** argv) {

@@ -52,29 +52,18 @@ constexpr const char* train_flags[] = {
     "--log-every", "--metrics", "--checkpoint", "--save-every", "--resume", "--export", "--save-config",
     "--sample-len", "--eval-sample", "--prompt", "--greedy", "--temperature", "--top-k", "--top-p"};
 
-// A value read from checkpoint metadata (flags are checked by examples/cli.hpp as they are parsed).
+// A value read from checkpoint metadata or a flag (examples/cli.hpp's parsers; flags have passed its
+// range checks already, checkpoint values are checked here).
 std::int64_t parse_integer(const std::string& flag, const std::string& s) {
-    std::size_t used = 0;
-    long long x = 0;
-    try {
-        x = std::stoll(s, &used);
-    } catch (const std::exception&) {
-        used = 0;
-    }
-    if (s.empty() || used != s.size()) fail(flag, " expects an integer, got '", s, "'");
-    return x;
+    const auto v = ex::whole_integer(s);
+    if (!v) fail(flag, " expects an integer, got '", s, "'");
+    return *v;
 }
 
 double parse_real(const std::string& flag, const std::string& s) {
-    std::size_t used = 0;
-    double x = 0;
-    try {
-        x = std::stod(s, &used);
-    } catch (const std::exception&) {
-        used = 0;
-    }
-    if (s.empty() || used != s.size() || !std::isfinite(x)) fail(flag, " expects a number, got '", s, "'");
-    return x;
+    const auto v = ex::finite_number(s);
+    if (!v) fail(flag, " expects a number, got '", s, "'");
+    return *v;
 }
 
 enum class task_kind { text, recall };

@@ -16,12 +16,8 @@ function(run dir)
   set(last_output "${out}" PARENT_SCOPE)
 endfunction()
 
-function(same a b)
-  execute_process(COMMAND ${CMAKE_COMMAND} -E compare_files ${a} ${b} RESULT_VARIABLE rc)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "train_cli: ${a} and ${b} differ")
-  endif()
-endfunction()
+set(DRIVER train_cli)
+include(${CMAKE_CURRENT_LIST_DIR}/train_driver.cmake)
 
 # The steps and kinds of a metrics file, in order: "train:10 train:20 valid:20 ...".
 function(metric_steps file out)

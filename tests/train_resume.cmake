@@ -23,12 +23,8 @@ function(run_fails regex)
   endif()
 endfunction()
 
-function(same a b)
-  execute_process(COMMAND ${CMAKE_COMMAND} -E compare_files ${a} ${b} RESULT_VARIABLE rc)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "train_resume: ${a} and ${b} differ: resuming is not bitwise deterministic")
-  endif()
-endfunction()
+set(DRIVER train_resume)
+include(${CMAKE_CURRENT_LIST_DIR}/train_driver.cmake)
 
 # A tiny text: about 550 bytes, so 90% in 4 streams is 30 segments of 4 per pass.
 set(text "")

@@ -94,7 +94,7 @@ struct trainer_options {
     double clip = 1.0;            // global gradient-norm clip; 0: off
     std::int64_t warmup = 0;      // adamw: linear warm-up steps; adam_warmup, noam: their warm-up (>= 1)
     std::int64_t steps = 0;       // the run's length (the cosine schedule decays over it)
-    index_t d_model = 0;          // noam's model size
+    index_t d_model = 0;          // noam's model size; 0: the model's own (trainer<Model> reads it)
     std::uint64_t seed = 1;       // the sampling RNG's
 };
 
@@ -250,11 +250,11 @@ public:
     trainer(Model& model, const trainer_options& options, const byte_vocabulary& vocab, segment_streams train,
             segment_streams valid)
         : model_(model),
-          o_(options),
+          o_(with_model_width(options, model)),
           vocab_(vocab),
           train_(std::move(train)),
           valid_(std::move(valid)),
-          optimizer_(options, model.parameters().size()),
+          optimizer_(o_, model.parameters().size()),
           memory_(make_trainer_memory(model, options.mem_len, options.c_mem_len, options.batch, options.seq_len)),
           sample_rng_(splitmix64(options.seed ^ 0x53414D504C45ull)) {
         for (const segment_streams* s : {&train_, &valid_})
@@ -522,10 +522,15 @@ private:
     }
 
     /// d_model, from the embedding's shape [vocab, d_model] (the same for static and runtime shapes).
-    index_t model_width() const {
-        const tensor_entry* e = model_.parameters().find("src_embed.weight");
+    static index_t width_of(const Model& model) {
+        const tensor_entry* e = model.parameters().find("src_embed.weight");
         MNEMO_CHECK(e && e->shape.size() == 2, "trainer: the model has no src_embed.weight [vocab, d_model]");
         return e->shape[1];
+    }
+    index_t model_width() const { return width_of(model_); }
+    static trainer_options with_model_width(trainer_options o, const Model& model) {
+        if (o.d_model == 0) o.d_model = width_of(model);
+        return o;
     }
 
     token_t pick(const float* logits, index_t vocab, const sampling_options& how) {
