@@ -44,6 +44,13 @@
 // (mnemo/trainer/trainer.hpp, docs/checkpoints.md). A resumed run continues bit for bit: k steps, save,
 // resume, k steps equals 2k steps (tests/train_resume.cmake checks the files bytewise), with any
 // --threads. --export PATH writes the model file alone, at the end.
+//
+// Several processes (a build with MPI; docs/distributed.md): `mpirun -np N train ...` trains one model
+// with N ranks, each on an equal share of the --batch streams (mnemo/trainer/trainer.hpp). Every rank
+// reads the data file itself; rank 0 reads the checkpoint for --resume and sends it to the others, and
+// alone prints, logs metrics and writes files. The ranks' settings must agree. An error that every
+// rank meets (a bad flag, a missing file on some rank, a failed save) ends every rank with one message
+// from rank 0; any other ends the job through MPI_Abort.
 #include <omp.h>
 #include <unistd.h>
 
@@ -67,6 +74,9 @@
 #include <vector>
 
 #include <mnemo/mnemo.hpp>
+#if MNEMO_WITH_MPI
+#include <mnemo/dist/mpi.hpp>
+#endif
 
 #include "cli.hpp"
 #include "model_zoo.hpp"
@@ -151,13 +161,14 @@ corpus make_recall_corpus(std::uint64_t seed) {
     return c;
 }
 
-mnemo::segment_streams training_streams(const corpus& c, const settings& s) {
-    if (c.task == task_kind::recall) return mnemo::segment_streams(c.recall, c.seed * 2 + 0, s.batch, s.seq_len);
-    return mnemo::segment_streams(c.train, s.batch, s.seq_len, "training (90%)");
+// This rank's share of the --batch streams.
+mnemo::segment_streams training_streams(const corpus& c, const settings& s, mnemo::stream_slice slice) {
+    if (c.task == task_kind::recall) return mnemo::segment_streams(c.recall, c.seed * 2 + 0, s.batch, s.seq_len, slice);
+    return mnemo::segment_streams(c.train, s.batch, s.seq_len, "training (90%)", slice);
 }
-mnemo::segment_streams validation_streams(const corpus& c, const settings& s) {
-    if (c.task == task_kind::recall) return mnemo::segment_streams(c.recall, c.seed * 2 + 1, s.batch, s.seq_len);
-    return mnemo::segment_streams(c.valid, s.batch, s.seq_len, "validation (10%)");
+mnemo::segment_streams validation_streams(const corpus& c, const settings& s, mnemo::stream_slice slice) {
+    if (c.task == task_kind::recall) return mnemo::segment_streams(c.recall, c.seed * 2 + 1, s.batch, s.seq_len, slice);
+    return mnemo::segment_streams(c.valid, s.batch, s.seq_len, "validation (10%)", slice);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -253,19 +264,27 @@ void print_validation(std::int64_t step, const mnemo::validation_result& v, cons
 
 template <class Model>
 run_result train_model(const settings& s, const corpus& c, const mnemo::trainer_checkpoint_files* resume,
-                       mnemo::metrics_log& metrics) {
+                       mnemo::metrics_log& metrics, mnemo::communicator& comm) {
     const auto t_start = std::chrono::steady_clock::now();
     const auto seconds_since = [](auto t0) {
         return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     };
     constexpr bool feedback = ex::is_feedback_model<Model>;
-    Model model(model_options<Model>(s, c.vocab.size()));
-    model.reset_parameters(s.seed);
-    if constexpr (!feedback) model.set_clamp_len(s.clamp_len);
+    const bool printer = comm.rank() == 0;  // the others' stdout is /dev/null; skip their samples
+    // Each rank meets the same errors here (the settings agree), so agree() ends them all with one.
+    std::optional<Model> model_storage;
+    comm.agree([&] {
+        model_storage.emplace(model_options<Model>(s, c.vocab.size()));
+        model_storage->reset_parameters(s.seed);
+        if constexpr (!feedback) model_storage->set_clamp_len(s.clamp_len);
+    });
+    Model& model = *model_storage;
     auto& ps = model.parameters();
-    mnemo::trainer<Model> t(model, trainer_options_of(s), c.vocab, training_streams(c, s), validation_streams(c, s));
+    const mnemo::stream_slice slice = mnemo::stream_slice_of(s.batch, comm);
+    mnemo::trainer<Model> t(model, trainer_options_of(s), c.vocab, training_streams(c, s, slice),
+                            validation_streams(c, s, slice), comm);
     if (resume) {
-        t.restore(*resume, s.resume);
+        comm.agree([&] { t.restore(*resume, s.resume); });
         std::printf("resumed from %s at step %" PRId64, s.resume.c_str(), t.step_count());
         if constexpr (!feedback)
             std::printf(" (memory %td + %td compressed slots)", t.memory().mem_slots(), t.memory().c_mem_slots());
@@ -294,6 +313,7 @@ run_result train_model(const settings& s, const corpus& c, const mnemo::trainer_
     }
     if (prompt.empty() && (s.sample_len > 0 || s.eval_sample > 0)) fail("--prompt is empty");
     const auto print_sample = [&](const char* label, std::int64_t count, const mnemo::sampling_options& how) {
+        if (!printer) return;
         const std::string out = t.sample_text(prompt, count, how);
         std::string p;
         for (token_t tok : prompt) p += c.vocab.byte(tok);
@@ -313,8 +333,10 @@ run_result train_model(const settings& s, const corpus& c, const mnemo::trainer_
     hooks.on_log = [&](const mnemo::fit_progress& p) {
         std::printf("step %6" PRId64 "/%" PRId64 "  loss %.4f bits/char", p.step, p.steps, p.ce / ln2);
         if (s.c_mem_len > 0) std::printf("  %s %.5f", aux_loss_name(s), p.ar);
-        std::printf("  |grad| %.3f  lr %.3g  %.0f tok/s  %.1f ms/step  ETA %s\n", p.grad_norm, p.lr,
-                    p.tokens_per_second, 1e3 * p.seconds_per_step, format_duration(p.eta_seconds).c_str());
+        std::printf("  |grad| %.3f  lr %.3g  %.0f tok/s  %.1f ms/step", p.grad_norm, p.lr, p.tokens_per_second,
+                    1e3 * p.seconds_per_step);
+        if (comm.size() > 1) std::printf("  exchange %.2f MB/step", p.exchanged_bytes / 1e6);
+        std::printf("  ETA %s\n", format_duration(p.eta_seconds).c_str());
         std::fflush(stdout);
         metrics.train(run_label, p.step, tokens_at(p.step), p.ce, p.ar, p.lr, p.grad_norm, p.tokens_per_second,
                       seconds_since(t_start));
@@ -372,7 +394,7 @@ run_result train_model(const settings& s, const corpus& c, const mnemo::trainer_
             print_sample(label, s.sample_len, {.temperature = s.temperature, .top_k = s.top_k, .top_p = s.top_p});
         }
     }
-    if (!s.export_path.empty()) {
+    if (!s.export_path.empty() && printer) {
         auto meta = settings_metadata(s);
         meta["step"] = std::to_string(t.step_count());
         meta["vocab_hex"] = c.vocab.hex();
@@ -383,26 +405,57 @@ run_result train_model(const settings& s, const corpus& c, const mnemo::trainer_
 }
 
 run_result run(const settings& s, const corpus& c, const mnemo::trainer_checkpoint_files* resume,
-               mnemo::metrics_log& metrics) {
+               mnemo::metrics_log& metrics, mnemo::communicator& comm) {
     return ex::with_model(s.d_model, s.heads, s.rate, s.model, s.compression,
-                          [&]<class Model>() { return train_model<Model>(s, c, resume, metrics); });
+                          [&]<class Model>() { return train_model<Model>(s, c, resume, metrics, comm); });
 }
 
-/// The checkpoint for --resume, after finishing or discarding a save that a crash interrupted.
-mnemo::trainer_checkpoint_files read_checkpoint(const std::string& path) {
+/// The checkpoint for --resume, after finishing or discarding a save that a crash interrupted (rank 0
+/// reads it and sends it to the others).
+mnemo::trainer_checkpoint_files read_checkpoint(const std::string& path, mnemo::communicator& comm) {
+    const auto body = [](const char* what) {
+        std::string m = what;
+        return m.starts_with("mnemo: ") ? m.substr(7) : m;
+    };
     try {
-        return mnemo::read_trainer_checkpoint(path, [&](mnemo::checkpoint_recovery r) {
-            if (r == mnemo::checkpoint_recovery::rolled_forward)
-                std::printf("--resume: completed the save of '%s' that was interrupted\n", path.c_str());
-            else if (r == mnemo::checkpoint_recovery::discarded)
-                std::printf("--resume: removed the unfinished save of '%s'; the previous checkpoint is intact\n",
-                            path.c_str());
-        });
+        return mnemo::read_trainer_checkpoint(
+            path,
+            [&](mnemo::checkpoint_recovery r) {
+                if (r == mnemo::checkpoint_recovery::rolled_forward)
+                    std::printf("--resume: completed the save of '%s' that was interrupted\n", path.c_str());
+                else if (r == mnemo::checkpoint_recovery::discarded)
+                    std::printf("--resume: removed the unfinished save of '%s'; the previous checkpoint is intact\n",
+                                path.c_str());
+            },
+            comm);
+    } catch (const mnemo::collective_error& e) {
+        throw mnemo::collective_error("mnemo: train: --resume: " + body(e.what()));
     } catch (const mnemo::error& e) {
-        std::string m = e.what();
-        if (m.starts_with("mnemo: ")) m = m.substr(7);
-        fail("--resume: ", m);
+        fail("--resume: ", body(e.what()));
     }
+}
+
+/// What must be the same on every rank: every setting that shapes the run (not the paths of the files
+/// rank 0 alone writes, nor --threads) and the data itself.
+std::string run_signature(const settings& s, const corpus& c) {
+    std::string sig;
+    for (const auto& [flag, value] : settings_as_flags(s))
+        if (flag != "--data" && flag != "--checkpoint" && flag != "--export" && flag != "--metrics")
+            sig += flag + " " + value + "\n";
+    return sig + "data fingerprint " + c.fingerprint + "\n";
+}
+
+/// The first line in which two signatures differ ("--d-model 64" against "--d-model 32").
+std::string first_difference(const std::string& mine, const std::string& theirs) {
+    std::size_t a = 0, b = 0;
+    while (a < mine.size() || b < theirs.size()) {
+        const std::size_t ea = std::min(mine.find('\n', a), mine.size()), eb = std::min(theirs.find('\n', b), theirs.size());
+        const std::string la = mine.substr(a, ea - a), lb = theirs.substr(b, eb - b);
+        if (la != lb) return "'" + la + "' here, '" + lb + "' on rank 0";
+        a = ea + 1;
+        b = eb + 1;
+    }
+    return "none";
 }
 
 void check_data_matches(const corpus& c, const mnemo::trainer_checkpoint_files& f) {
@@ -431,54 +484,105 @@ void check_writable(const char* flag, const std::string& path) {
         fail(flag, ": cannot write '", path, "': the directory '", dir.string(), "' is not writable");
 }
 
-int main(int argc, char** argv) try {
+namespace {
+
+/// The processes of this run: MPI's when the build has it and mpirun started this one, else this
+/// process alone.
+#if MNEMO_WITH_MPI
+using process_group = mnemo::mpi_session;
+#else
+struct process_group {
+    process_group(int&, char**&) {}
+    mnemo::communicator& communicator() { return mnemo::local_communicator(); }
+    [[noreturn]] void abort(int code) { std::exit(code); }
+};
+#endif
+
+int train_main(int argc, char** argv, mnemo::communicator& comm) {
     // A file-size limit (ulimit -f) then fails a save with EFBIG, reported by name, instead of killing us.
     std::signal(SIGXFSZ, SIG_IGN);
+    const bool printer = comm.rank() == 0;
     ex::command_line cl;
-    const std::string about =
-        "train: the Compressive Transformer, Transformer-XL or the Feedback Transformer on a text file or the built-in "
-        "recall task. Without flags: the main job (recall task, Compressive Transformer vs Transformer-XL).";
-    if (!ex::parse_command_line("train", about, train_flags, argc, argv, cl,
-                                "Model shapes compiled in (others run the generic kernels):\n" + ex::supported_configs()))
-        return 0;
+    bool help = false;
+    comm.agree([&] {
+#if !MNEMO_WITH_MPI
+        if (mnemo::launched_by_mpi())
+            fail("this train was built without MPI, so under mpirun every process would train alone; install "
+                 "libopenmpi-dev (tools/install-deps.sh) and rebuild");
+#endif
+        const std::string about =
+            "train: the Compressive Transformer, Transformer-XL or the Feedback Transformer on a text file or the "
+            "built-in recall task. Without flags: the main job (recall task, Compressive Transformer vs "
+            "Transformer-XL).";
+        help = !ex::parse_command_line("train", about, train_flags, argc, argv, cl,
+                                       "Model shapes compiled in (others run the generic kernels):\n" +
+                                           ex::supported_configs());
+    });
+    if (help) return 0;
     std::optional<mnemo::trainer_checkpoint_files> resume;
-    if (cl.has("--resume")) resume = read_checkpoint(cl.at("--resume"));
-    const settings s = resolve_settings(cl, resume ? &resume->state.metadata() : nullptr);
-    check_writable("--checkpoint", s.checkpoint);
-    check_writable("--export", s.export_path);
-    check_writable("--metrics", s.metrics);
-    check_writable("--save-config", s.save_config);
-    omp_set_num_threads(s.threads);
-    if (!s.save_config.empty()) {
-        ex::write_config(s.save_config, settings_as_flags(s), "train settings; replay with: train --config FILE");
-        std::printf("wrote the settings to %s (train --config %s replays them)\n", s.save_config.c_str(),
-                    s.save_config.c_str());
+    if (cl.has("--resume")) resume = read_checkpoint(cl.at("--resume"), comm);
+    std::optional<settings> resolved;
+    std::optional<corpus> data;
+    comm.agree([&] {
+        resolved = resolve_settings(cl, resume ? &resume->state.metadata() : nullptr);
+        const settings& s = *resolved;
+        if (s.batch % comm.size() != 0)
+            fail("--batch ", s.batch, " must be a multiple of the ", comm.size(), " ranks (each trains --batch / ",
+                 comm.size(), " streams)");
+        if (printer) {  // rank 0 alone writes files
+            check_writable("--checkpoint", s.checkpoint);
+            check_writable("--export", s.export_path);
+            check_writable("--metrics", s.metrics);
+            check_writable("--save-config", s.save_config);
+        }
+        data = s.task == task_kind::text ? load_text_corpus(s.data) : make_recall_corpus(s.seed);
+        if (resume) check_data_matches(*data, *resume);
+    });
+    const settings& s = *resolved;
+    const corpus& c = *data;
+    if (comm.size() > 1) {  // one run: every rank's settings and data must be rank 0's
+        const std::string mine = run_signature(s, c), first = comm.broadcast(mine, 0);
+        comm.agree([&] {
+            if (mine != first)
+                fail("the settings or the data differ from rank 0's (", first_difference(mine, first),
+                     "); every rank must run the same command on the same data");
+        });
     }
-
-    corpus c = s.task == task_kind::text ? load_text_corpus(s.data) : make_recall_corpus(s.seed);
-    if (resume) check_data_matches(c, *resume);
-    mnemo::metrics_log metrics(s.metrics, resume ? mnemo::read_state_count(resume->state, "trainer.step") : -1);
+    omp_set_num_threads(s.threads);
+    std::optional<mnemo::metrics_log> metrics;
+    comm.agree([&] {
+        if (printer && !s.save_config.empty()) {
+            ex::write_config(s.save_config, settings_as_flags(s), "train settings; replay with: train --config FILE");
+            std::printf("wrote the settings to %s (train --config %s replays them)\n", s.save_config.c_str(),
+                        s.save_config.c_str());
+        }
+        metrics.emplace(printer ? s.metrics : std::string(),
+                        resume ? mnemo::read_state_count(resume->state, "trainer.step") : -1);
+    });
 
     const char* mode = s.compare ? "main job: recall task, Compressive Transformer vs Transformer-XL"
                        : resume  ? "resuming a checkpoint"
                                  : "training one model";
     std::printf("train: %s\n", mode);
     std::printf("data: %s\n", c.description.c_str());
-    std::printf("threads: %d\n", s.threads);
+    std::printf("threads: %d", s.threads);
+    if (comm.size() > 1)
+        std::printf(" per rank; processes: %s, %td streams each", comm.description().c_str(), s.batch / comm.size());
+    std::printf("\n");
     std::fflush(stdout);
 
     if (!s.compare) {
-        run(s, c, resume ? &*resume : nullptr, metrics);
+        run(s, c, resume ? &*resume : nullptr, *metrics, comm);
         return 0;
     }
     // The main job: the same settings with and without the compressed memory.
-    const run_result comp = run(s, c, nullptr, metrics);
+    const run_result comp = run(s, c, nullptr, *metrics, comm);
     settings xl = s;
     xl.model = ex::model_kind::xl;
     xl.c_mem_len = 0;
     xl.eval_c_mem_len = 0;
     std::printf("\n");
-    const run_result plain = run(xl, c, nullptr, metrics);
+    const run_result plain = run(xl, c, nullptr, *metrics, comm);
     std::printf("\nrecall accuracy: compressive %.3f, transformer-xl %.3f (chance %.3f; %" PRId64
                 " validation answers each; %.0fs + %.0fs)\n",
                 comp.final.accuracy(), plain.final.accuracy(), 1.0 / double(recall_task::keys.size()),
@@ -486,12 +590,39 @@ int main(int argc, char** argv) try {
     std::printf("validation loss: compressive %.4f, transformer-xl %.4f bits/char\n", comp.final.ce / ln2,
                 plain.final.ce / ln2);
     return 0;
-} catch (const std::exception& e) {
-    // std::bad_alloc and std::length_error (a vector past max_size) both mean: too big for this machine.
-    const bool out_of_memory = dynamic_cast<const std::bad_alloc*>(&e) || dynamic_cast<const std::length_error*>(&e);
-    std::fprintf(stderr, "%s\n",
-                 out_of_memory ? "mnemo: train: out of memory: the model, --batch or the memory lengths are too large "
-                                 "for this machine"
-                               : e.what());
-    return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    std::optional<process_group> group;
+    try {
+        group.emplace(argc, argv);
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "%s\n", e.what());
+        return 1;
+    }
+    mnemo::communicator& comm = group->communicator();
+    if (comm.rank() != 0 && !std::freopen("/dev/null", "w", stdout)) std::fclose(stdout);  // rank 0 prints
+    try {
+        return train_main(argc, argv, comm);
+    } catch (const mnemo::collective_error& e) {
+        // Every rank threw it: rank 0 says it.
+        if (comm.rank() == 0) std::fprintf(stderr, "%s\n", e.what());
+        return 1;
+    } catch (const std::exception& e) {
+        // std::bad_alloc and std::length_error (a vector past max_size) both mean: too big for this machine.
+        const bool out_of_memory = dynamic_cast<const std::bad_alloc*>(&e) || dynamic_cast<const std::length_error*>(&e);
+        std::string m = out_of_memory ? "mnemo: train: out of memory: the model, --batch or the memory lengths are too "
+                                        "large for this machine"
+                                      : e.what();
+        if (comm.size() > 1) {  // this rank alone: end every rank, or the others wait for it forever
+            if (m.starts_with("mnemo: ")) m = m.substr(7);
+            std::fprintf(stderr, "mnemo: rank %d: %s\n", comm.rank(), m.c_str());
+            std::fflush(stderr);
+            group->abort(1);
+        }
+        std::fprintf(stderr, "%s\n", m.c_str());
+        return 1;
+    }
 }

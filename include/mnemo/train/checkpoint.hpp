@@ -33,9 +33,11 @@
 #include <span>
 #include <string>
 #include <system_error>
+#include <type_traits>
 #include <vector>
 
 #include "../core/error.hpp"
+#include "../kernels/cpu/ops.hpp"
 #include "safetensors.hpp"
 
 namespace mnemo {
@@ -213,12 +215,17 @@ inline std::vector<std::uint8_t> read_state_bytes(const safetensors_file& f, con
 
 /// Restores a compressive / XL memory from memory.<layer>.mem and .c_mem ([slots, batch, d_model]) and,
 /// for a memory that tracks usage (most-used compression: it has usage_data), memory.<layer>.usage
-/// ([mem slots, batch]), for the memory layers `layers` (model layer indices, in the memory's slot order). Slot counts come from the shapes; they must agree over
-/// the layers and fit the memory (resize() checks mem_len and c_mem_len). `memory` must be reset.
+/// ([mem slots, batch]), for the memory layers `layers` (model layer indices, in the memory's slot
+/// order). Slot counts come from the shapes; they must agree over the layers and fit the memory
+/// (resize() checks mem_len and c_mem_len). `memory` must be reset, for `count` streams: the file's
+/// streams [first, first + count) (a data-parallel rank's share; count -1: all of them).
 template <class Memory>
 void read_state_memory(const safetensors_file& f, std::span<const index_t> layers, index_t batch, index_t d_model,
-                       Memory& memory) {
+                       Memory& memory, index_t first = 0, index_t count = -1) {
     if (layers.empty()) return;
+    if (count < 0) count = batch - first;
+    MNEMO_CHECK(first >= 0 && count >= 1 && first + count <= batch, "checkpoint: streams [", first, ", ", first + count,
+                ") are not a slice of the ", batch, " saved ones");
     const auto slots = [&](const std::string& name) {
         const auto& t = f.at(name);
         if (t.shape.size() != 3 || t.shape[1] != batch || t.shape[2] != d_model)
@@ -226,22 +233,32 @@ void read_state_memory(const safetensors_file& f, std::span<const index_t> layer
                          ", expected [slots, ", batch, ", ", d_model, "]");
         return index_t(t.shape[0]);
     };
-    const std::string first = "memory." + std::to_string(layers[0]);
-    const index_t mem_slots = slots(first + ".mem"), c_mem_slots = slots(first + ".c_mem");
+    // Rows [first, first + count) of each of the tensor's `rows` [batch, width] blocks, into dst.
+    const auto read_slice = [&](const std::string& name, index_t rows, index_t width, auto* dst) {
+        using T = std::remove_pointer_t<decltype(dst)>;
+        if (first == 0 && count == batch) {
+            f.copy_to(name, dst, std::size_t(rows * batch * width));
+            return;
+        }
+        const std::vector<T> all = f.to_vector<T>(name);
+        ops<cpu>::copy(rows, count * width, all.data() + first * width, batch * width, dst, count * width);
+    };
+    const std::string head = "memory." + std::to_string(layers[0]);
+    const index_t mem_slots = slots(head + ".mem"), c_mem_slots = slots(head + ".c_mem");
     memory.resize(mem_slots, c_mem_slots);
     for (std::size_t slot = 0; slot < layers.size(); ++slot) {
         const std::string p = "memory." + std::to_string(layers[slot]);
         if (slots(p + ".mem") != mem_slots || slots(p + ".c_mem") != c_mem_slots)
             detail::fail("checkpoint: '", f.path(), "': layer ", layers[slot],
                          "'s memory holds a different number of slots than layer ", layers[0], "'s");
-        f.copy_to(p + ".mem", memory.mem_data(index_t(slot)), std::size_t(mem_slots * batch * d_model));
-        f.copy_to(p + ".c_mem", memory.c_mem_data(index_t(slot)), std::size_t(c_mem_slots * batch * d_model));
+        read_slice(p + ".mem", mem_slots, d_model, memory.mem_data(index_t(slot)));
+        read_slice(p + ".c_mem", c_mem_slots, d_model, memory.c_mem_data(index_t(slot)));
         if constexpr (requires { memory.usage_data(index_t(0)); }) {
             const auto& t = f.at(p + ".usage");
             if (t.shape != std::vector<std::int64_t>{mem_slots, batch})
                 detail::fail("checkpoint: '", f.path(), "': tensor '", p, ".usage' has shape ", shape_string(t.shape),
                              ", expected [", mem_slots, ", ", batch, "]");
-            f.copy_to(p + ".usage", memory.usage_data(index_t(slot)), std::size_t(mem_slots * batch));
+            read_slice(p + ".usage", mem_slots, 1, memory.usage_data(index_t(slot)));
         }
     }
 }

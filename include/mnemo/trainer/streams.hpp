@@ -10,6 +10,10 @@
 // task (below), whose tokens are pure functions of (stream key, position). Either way a stream's only
 // state is its position, which is what a checkpoint saves (offsets()).
 //
+// A process may read a slice of the streams (stream_slice: data-parallel training gives each rank an
+// equal share): stream b of the slice is the run's stream first + b, with the text and key it has in
+// the whole run, so the union of the slices reads what one process with the whole batch reads.
+//
 // The recall task. Each stream is a sequence of episodes of `episode_len` = 32 tokens:
 //     K f f f ... f ? K          K: a key, one of 8 symbols A–H; f: random fillers a–p; ?: the query
 // The target of the `?` position is the episode's key, seen 30 tokens before. A model with segments of
@@ -70,29 +74,38 @@ struct recall_task {
     }
 };
 
-/// `batch` parallel streams read segment after segment (see the header comment).
+/// Which of a run's streams a process reads: streams [first, first + count) of `batch` (data-parallel
+/// training gives each rank an equal, contiguous share; count -1: all of them).
+struct stream_slice {
+    index_t first = 0, count = -1;
+};
+
+/// `batch` parallel streams read segment after segment (see the header comment), or a slice of them.
 class segment_streams {
 public:
     /// Streams over a text: stream b is text[b·n, (b + 1)·n), n = |text| / batch. `what` names the
     /// text in errors ("training (90%)"). The text must outlive the streams.
-    segment_streams(std::span<const token_t> text, index_t batch, index_t seq_len, const char* what)
-        : text_(text), batch_(batch), seq_len_(seq_len), length_(std::int64_t(text.size()) / std::max<index_t>(batch, 1)) {
-        MNEMO_CHECK(batch >= 1 && seq_len >= 1, "segment_streams: batch (", batch, ") and seq_len (", seq_len,
-                    ") must be at least 1");
+    segment_streams(std::span<const token_t> text, index_t batch, index_t seq_len, const char* what,
+                    stream_slice slice = {})
+        : text_(text), total_(batch), seq_len_(seq_len), length_(std::int64_t(text.size()) / std::max<index_t>(batch, 1)) {
+        set_slice(slice);
         const std::int64_t need = std::int64_t(batch) * (seq_len + 1);
         MNEMO_CHECK(std::int64_t(text.size()) >= need, "the text is too short: its ", what, " part has ", text.size(),
                     " characters, but one batch of segments needs batch·(seq_len + 1) = ", batch, "·", seq_len + 1,
                     " = ", need);
     }
     /// Streams of the recall task, keyed by (seed, stream). The task must outlive the streams.
-    segment_streams(const recall_task& task, std::uint64_t seed, index_t batch, index_t seq_len)
-        : task_(&task), batch_(batch), seq_len_(seq_len), length_(INT64_MAX / 2) {
-        MNEMO_CHECK(batch >= 1 && seq_len >= 1, "segment_streams: batch (", batch, ") and seq_len (", seq_len,
-                    ") must be at least 1");
-        for (index_t b = 0; b < batch; ++b) keys_.push_back(splitmix64(seed * 0x100000001B3ull + std::uint64_t(b)));
+    segment_streams(const recall_task& task, std::uint64_t seed, index_t batch, index_t seq_len, stream_slice slice = {})
+        : task_(&task), seed_(seed), total_(batch), seq_len_(seq_len), length_(INT64_MAX / 2) {
+        set_slice(slice);
+        for (index_t b = first_; b < first_ + batch_; ++b) keys_.push_back(key(b));
     }
 
+    /// The streams this object reads (the slice's count).
     index_t batch() const { return batch_; }
+    /// The run's streams, and the first of them this object reads.
+    index_t total_batch() const { return total_; }
+    index_t first_stream() const { return first_; }
     index_t seq_len() const { return seq_len_; }
     /// Whole segments in one pass over the streams.
     std::int64_t segments_per_pass() const { return (length_ - 1) / seq_len_; }
@@ -104,14 +117,15 @@ public:
                     " does not fit these streams (", segments_per_pass(), " segments of ", seq_len_, ")");
         position_ = p;
     }
-    /// Each stream's absolute offset of the next segment (what a checkpoint saves).
+    /// Every stream's absolute offset of the next segment, all `total_batch()` of them (what a
+    /// checkpoint saves; the streams of a slice move together with the others).
     std::vector<std::int64_t> offsets() const {
-        std::vector<std::int64_t> o(static_cast<std::size_t>(batch_));
-        for (index_t b = 0; b < batch_; ++b) o[std::size_t(b)] = (task_ ? 0 : b * length_) + position_;
+        std::vector<std::int64_t> o(static_cast<std::size_t>(total_));
+        for (index_t b = 0; b < total_; ++b) o[std::size_t(b)] = (task_ ? 0 : b * length_) + position_;
         return o;
     }
     void set_offsets(std::span<const std::int64_t> o) {
-        MNEMO_CHECK(index_t(o.size()) == batch_, "the saved data position has ", o.size(), " streams, batch is ", batch_);
+        MNEMO_CHECK(index_t(o.size()) == total_, "the saved data position has ", o.size(), " streams, batch is ", total_);
         set_position(o[0]);
         MNEMO_CHECK(std::ranges::equal(o, offsets()), "the saved stream offsets do not match these streams");
     }
@@ -142,22 +156,34 @@ public:
         const index_t t = r / batch_, b = r % batch_;
         return task_->is_scored_answer(keys_[std::size_t(b)], position_ - seq_len_ + t + 1);
     }
-    /// The first n tokens of stream 0 (a prompt).
+    /// The first n tokens of the run's stream 0 (a prompt), whichever slice this is.
     std::vector<token_t> head(std::int64_t n) const {
         std::vector<token_t> out;
-        for (std::int64_t p = 0; p < std::min(n, length_); ++p) out.push_back(at(0, p));
+        for (std::int64_t p = 0; p < std::min(n, length_); ++p)
+            out.push_back(task_ ? task_->token(key(0), p) : text_[std::size_t(p)]);
         return out;
     }
 
 private:
+    void set_slice(stream_slice slice) {
+        MNEMO_CHECK(total_ >= 1 && seq_len_ >= 1, "segment_streams: batch (", total_, ") and seq_len (", seq_len_,
+                    ") must be at least 1");
+        first_ = slice.first;
+        batch_ = slice.count < 0 ? total_ - first_ : slice.count;
+        MNEMO_CHECK(first_ >= 0 && batch_ >= 1 && first_ + batch_ <= total_, "segment_streams: streams [", first_, ", ",
+                    first_ + batch_, ") are not a slice of the ", total_, " streams");
+    }
+    std::uint64_t key(index_t global) const { return splitmix64(seed_ * 0x100000001B3ull + std::uint64_t(global)); }
+    // Token p of this slice's stream b.
     token_t at(index_t b, std::int64_t p) const {
-        return task_ ? task_->token(keys_[std::size_t(b)], p) : text_[std::size_t(b * length_ + p)];
+        return task_ ? task_->token(keys_[std::size_t(b)], p) : text_[std::size_t((first_ + b) * length_ + p)];
     }
 
     std::span<const token_t> text_;
     const recall_task* task_ = nullptr;
-    std::vector<std::uint64_t> keys_;
-    index_t batch_, seq_len_;
+    std::uint64_t seed_ = 0;
+    std::vector<std::uint64_t> keys_;  // recall: this slice's streams' keys
+    index_t total_, first_ = 0, batch_ = 0, seq_len_;
     std::int64_t length_;
     std::int64_t position_ = 0;
 };

@@ -29,13 +29,28 @@
 // memory.<layer>.mem / .c_mem (/ .usage for most-used compression) for each memory layer. Both are
 // written as one (mnemo/train/checkpoint.hpp): a crash at any instant leaves the previous pair or this
 // one. A restored run continues bit for bit, with any thread count.
+//
+// Data parallelism (mnemo/dist/communicator.hpp, docs/distributed.md). Given a communicator of N
+// processes (ranks), the options' batch is the whole run's and each rank reads an equal, contiguous
+// share of the streams (stream_slice_of), so its memory holds its own streams and never travels. The
+// trainer broadcasts rank 0's parameters at construction; a step averages the gradient over the ranks
+// (only the live rows of the positional tables: gradient_averager) before the norm and the clip, and
+// the losses, so every rank holds the same gradient, takes the same optimizer step and sees the same
+// figures (a NaN stops every rank at the same step). validate() reads each rank's share of the
+// validation streams and averages. save() gathers every stream's memory to rank 0, which alone writes
+// the pair; an error there is thrown on every rank (collective_error). restore() reads the file's whole
+// state and keeps this rank's streams, so a run may resume on another number of ranks. fit()'s hooks run
+// on every rank with the same figures (print on rank 0). Bitwise the same run to run for a given N;
+// across different N the gradient sums add in another order (float tolerance).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <optional>
 #include <span>
 #include <string>
@@ -46,6 +61,8 @@
 
 #include "../core/error.hpp"
 #include "../core/rng.hpp"
+#include "../dist/communicator.hpp"
+#include "../kernels/cpu/ops.hpp"
 #include "../models/autoregressive.hpp"
 #include "../train/checkpoint.hpp"
 #include "../train/clip.hpp"
@@ -141,6 +158,14 @@ private:
     std::optional<labml_adam<float>> labml_;
 };
 
+/// This rank's share of `batch` streams: an equal, contiguous slice (batch must divide evenly).
+inline stream_slice stream_slice_of(index_t batch, const communicator& comm) {
+    const index_t n = comm.size();
+    MNEMO_CHECK(batch >= n && batch % n == 0, "the batch (", batch, " streams) must be a multiple of the ", n,
+                " ranks, so that each rank trains as many streams");
+    return {index_t(comm.rank()) * (batch / n), batch / n};
+}
+
 /// A model that carries a memory from segment to segment (compressive_transformer); the Feedback
 /// Transformer starts every segment from an empty memory and has none.
 template <class Model>
@@ -171,6 +196,7 @@ struct step_result {
     double grad_norm = 0;   // the global gradient norm before clipping
     double lr = 0;          // the step's learning rate
     double seconds = 0;     // wall time of the step
+    std::uint64_t exchanged_bytes = 0;  // gradient bytes this rank summed with the others (0: one rank)
 };
 
 /// A validation's figures: means over segments.
@@ -189,20 +215,58 @@ struct trainer_checkpoint_files {
 /// Reads PATH and PATH.state.safetensors for resuming, after finishing or discarding a save that a
 /// crash interrupted (mnemo/train/checkpoint.hpp; `on_recovery`, when given, is told which). Errors name
 /// the file: missing, a model-only file, a state file of another format, a pair from two runs.
+///
+/// With a communicator of several ranks, rank 0 alone touches the files (the recovery renames them)
+/// and broadcasts their bytes, so the checkpoint needs to exist on rank 0's machine only; every rank
+/// parses and checks them, and an error anywhere is thrown on every rank (collective_error).
 inline trainer_checkpoint_files read_trainer_checkpoint(
-    const std::string& path, const std::function<void(checkpoint_recovery)>& on_recovery = {}) {
-    std::error_code ec;
-    MNEMO_CHECK(std::filesystem::exists(path, ec), "checkpoint '", path, "' does not exist");
+    const std::string& path, const std::function<void(checkpoint_recovery)>& on_recovery = {},
+    communicator& comm = local_communicator()) {
     const std::string state_path = checkpoint_state_path(path);
-    const checkpoint_recovery r = recover_checkpoint(path);
-    if (on_recovery) on_recovery(r);
-    MNEMO_CHECK(std::filesystem::exists(state_path, ec), "'", state_path, "' (the trainer state saved with '", path,
-                "') does not exist; a model-only file (from --export) cannot be resumed");
-    trainer_checkpoint_files f{read_safetensors(path), read_safetensors(state_path)};
-    const auto& st = f.state.metadata();
-    MNEMO_CHECK(st.contains("format") && st.at("format") == "mnemo-train-1", "'", state_path,
-                "' is not a train state file (no format mnemo-train-1 in its metadata)");
-    check_checkpoint_pair(f.model, f.state);
+    trainer_checkpoint_files f;
+    std::string model_bytes, state_bytes;
+    const auto read_bytes = [](const std::string& file) {
+        std::ifstream in(file, std::ios::binary);
+        MNEMO_CHECK(in, "cannot open '", file, "' for reading");
+        std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+        MNEMO_CHECK(!in.bad(), "cannot read '", file, "'");
+        return bytes;
+    };
+    const auto check = [&] {
+        const auto& st = f.state.metadata();
+        MNEMO_CHECK(st.contains("format") && st.at("format") == "mnemo-train-1", "'", state_path,
+                    "' is not a train state file (no format mnemo-train-1 in its metadata)");
+        check_checkpoint_pair(f.model, f.state);
+    };
+    const auto read = [&] {
+        std::error_code ec;
+        MNEMO_CHECK(std::filesystem::exists(path, ec), "checkpoint '", path, "' does not exist");
+        const checkpoint_recovery r = recover_checkpoint(path);
+        if (on_recovery) on_recovery(r);
+        MNEMO_CHECK(std::filesystem::exists(state_path, ec), "'", state_path, "' (the trainer state saved with '",
+                    path, "') does not exist; a model-only file (from --export) cannot be resumed");
+        if (comm.size() == 1) {
+            f = {read_safetensors(path), read_safetensors(state_path)};
+            check();
+        } else {
+            model_bytes = read_bytes(path);
+            state_bytes = read_bytes(state_path);
+        }
+    };
+    if (comm.size() == 1) {
+        read();
+        return f;
+    }
+    comm.agree([&] {
+        if (comm.rank() == 0) read();
+    });
+    model_bytes = comm.broadcast(std::move(model_bytes), 0);
+    state_bytes = comm.broadcast(std::move(state_bytes), 0);
+    comm.agree([&] {
+        f = {parse_safetensors(model_bytes.data(), model_bytes.size(), path),
+             parse_safetensors(state_bytes.data(), state_bytes.size(), state_path)};
+        check();
+    });
     return f;
 }
 
@@ -228,6 +292,7 @@ struct fit_progress {
     double tokens_per_second = 0, seconds_per_step = 0;
     double eta_seconds = 0;            // at the pace of this session's steps so far
     double train_seconds = 0;          // this session's step time so far (validation excluded)
+    double exchanged_bytes = 0;        // gradient bytes summed per step and rank (0: one rank)
 };
 
 /// fit()'s callbacks (each may be empty).
@@ -246,26 +311,41 @@ public:
 
     /// The model (its parameters initialised or loaded by the caller), the options, the vocabulary
     /// (saved with checkpoints, used to print samples) and the streams, which must have the options'
-    /// batch and seq_len. The model and the vocabulary must outlive the trainer.
+    /// batch and seq_len; with a communicator of several ranks, the streams are this rank's slice
+    /// (stream_slice_of). The model, the vocabulary and the communicator must outlive the trainer.
     trainer(Model& model, const trainer_options& options, const byte_vocabulary& vocab, segment_streams train,
-            segment_streams valid)
+            segment_streams valid, communicator& comm = local_communicator())
         : model_(model),
           o_(with_model_width(options, model)),
           vocab_(vocab),
+          comm_(comm),
+          slice_(stream_slice_of(options.batch, comm)),
           train_(std::move(train)),
           valid_(std::move(valid)),
           optimizer_(o_, model.parameters().size()),
-          memory_(make_trainer_memory(model, options.mem_len, options.c_mem_len, options.batch, options.seq_len)),
+          memory_(make_trainer_memory(model, options.mem_len, options.c_mem_len, slice_.count, options.seq_len)),
           sample_rng_(splitmix64(options.seed ^ 0x53414D504C45ull)) {
         for (const segment_streams* s : {&train_, &valid_})
-            MNEMO_CHECK(s->batch() == o_.batch && s->seq_len() == o_.seq_len, "trainer: streams of batch ", s->batch(),
-                        " and seq_len ", s->seq_len(), " for options of batch ", o_.batch, " and seq_len ", o_.seq_len);
+            MNEMO_CHECK(s->total_batch() == o_.batch && s->seq_len() == o_.seq_len && s->first_stream() == slice_.first &&
+                            s->batch() == slice_.count,
+                        "trainer: streams [", s->first_stream(), ", ", s->first_stream() + s->batch(), ") of batch ",
+                        s->total_batch(), " and seq_len ", s->seq_len(), " for options of batch ", o_.batch,
+                        " and seq_len ", o_.seq_len, " (rank ", comm.rank(), " of ", comm.size(), " reads streams [",
+                        slice_.first, ", ", slice_.first + slice_.count, "))");
         MNEMO_CHECK(o_.clip >= 0 && std::isfinite(o_.clip), "trainer: clip must be >= 0, got ", o_.clip);
         if (o_.eval_mem_len < 0) o_.eval_mem_len = o_.mem_len;
         if (o_.eval_c_mem_len < 0) o_.eval_c_mem_len = o_.c_mem_len;
+        if (comm_.size() > 1) {  // every rank starts from rank 0's parameters
+            auto& ps = model_.parameters();
+            comm_.broadcast(ps.values(), sizeof(float) * std::size_t(ps.size()), 0);
+        }
     }
 
+
     Model& model() { return model_; }
+    communicator& comm() { return comm_; }
+    /// The streams this rank trains.
+    stream_slice slice() const { return slice_; }
     const trainer_options& options() const { return o_; }
     trainer_optimizer& optimizer() { return optimizer_; }
     memory_type& memory() { return memory_; }
@@ -281,16 +361,23 @@ public:
     step_result step() {
         const auto t0 = std::chrono::steady_clock::now();
         auto& ps = model_.parameters();
-        if (train_.next(inputs_, targets_)) memory_.reset(o_.batch, o_.seq_len);  // a new pass over the text
+        if (train_.next(inputs_, targets_)) memory_.reset(slice_.count, o_.seq_len);  // a new pass over the text
         ps.zero_grad();
-        const segment_losses l = run_segment(inputs_, targets_, memory_, /*train=*/true);
+        segment_losses l = run_segment(inputs_, targets_, memory_, /*train=*/true);
+        if (comm_.size() > 1) {  // the mean over every rank's streams, as one process with the whole batch
+            averager_.reduce(comm_, ps);
+            double losses[2] = {l.ce, l.ar};
+            comm_.sum(losses, 2);
+            l.ce = losses[0] / double(comm_.size());
+            l.ar = losses[1] / double(comm_.size());
+        }
         const double norm = o_.clip > 0 ? clip_grad_norm(ps, o_.clip) : grad_norm(ps);
         const std::int64_t step = optimizer_.step_count() + 1;
         if (!std::isfinite(l.ce) || !std::isfinite(l.ar) || !std::isfinite(norm)) {
             const bool ce_bad = !std::isfinite(l.ce), ar_bad = !ce_bad && !std::isfinite(l.ar);
             char value[32];
             std::snprintf(value, sizeof value, "%g", ce_bad ? l.ce : ar_bad ? l.ar : norm);
-            detail::fail("step ", step, ": ", ce_bad ? "the loss" : ar_bad ? "the reconstruction loss" : "the gradient norm",
+            detail::fail_collective("step ", step, ": ", ce_bad ? "the loss" : ar_bad ? "the reconstruction loss" : "the gradient norm",
                          " is ", value, "; stopped before the optimizer step (",
                          last_saved_ < 0 ? std::string("nothing was saved")
                                          : "the last checkpoint, '" + last_saved_path_ + "' at step " +
@@ -304,14 +391,15 @@ public:
                 .ar = l.ar,
                 .grad_norm = norm,
                 .lr = lr,
-                .seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()};
+                .seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+                .exchanged_bytes = averager_.last_bytes()};
     }
 
     /// Validation from the start of the validation streams with a fresh memory of the options'
     /// validation lengths; max_segments 0 = one pass (the recall streams never end: give a count).
     validation_result validate(std::int64_t max_segments) {
         segment_streams streams = valid_;
-        auto memory = make_trainer_memory(model_, o_.eval_mem_len, o_.eval_c_mem_len, o_.batch, o_.seq_len);
+        auto memory = make_trainer_memory(model_, o_.eval_mem_len, o_.eval_c_mem_len, slice_.count, o_.seq_len);
         const std::int64_t n =
             max_segments > 0 ? std::min(max_segments, streams.segments_per_pass()) : streams.segments_per_pass();
         std::vector<token_t> inputs, targets;
@@ -333,6 +421,16 @@ public:
         v.segments = n;
         v.ce /= double(std::max<std::int64_t>(n, 1));
         v.ar /= double(std::max<std::int64_t>(n, 1));
+        if (comm_.size() > 1) {  // every rank read as many segments of its streams
+            double losses[2] = {v.ce, v.ar};
+            comm_.sum(losses, 2);
+            v.ce = losses[0] / double(comm_.size());
+            v.ar = losses[1] / double(comm_.size());
+            std::int64_t counts[2] = {v.answers, v.correct};
+            comm_.sum(counts, 2);
+            v.answers = counts[0];
+            v.correct = counts[1];
+        }
         return v;
     }
 
@@ -399,8 +497,98 @@ public:
     }
 
     /// Saves the model file PATH with `metadata` (plus "format", "step" and "vocab_hex") and the state
-    /// file PATH.state.safetensors, as one (see the header comment).
+    /// file PATH.state.safetensors, as one (see the header comment). With several ranks it is called on
+    /// every rank and rank 0 writes. An error throws collective_error (on every rank).
     void save(const std::string& path, safetensors_metadata metadata) {
+        if (comm_.size() > 1) gather_memory();
+        comm_.agree([&] {
+            if (comm_.rank() == 0) write_checkpoint(path, std::move(metadata));
+        });
+        last_saved_ = optimizer_.step_count();
+        last_saved_path_ = path;
+    }
+
+    /// Restores a checkpoint's parameters, optimizer moments, stream positions, sampling RNG and memory
+    /// (this rank's streams of it). The vocabulary must be the trainer's. `path` is remembered as the
+    /// last checkpoint.
+    void restore(const trainer_checkpoint_files& f, const std::string& path = {}) {
+        MNEMO_CHECK(trainer_checkpoint_vocabulary(f).bytes == vocab_.bytes,
+                    "the checkpoint's vocabulary differs from the data's");
+        auto& ps = model_.parameters();
+        load_parameters(f.model, ps);  // strict: every tensor, the model's shapes
+        const std::int64_t step = read_state_count(f.state, "trainer.step");
+        std::vector<float> m(std::size_t(ps.size()), 0.0f), v(std::size_t(ps.size()), 0.0f);
+        read_parameter_buffer(f.state, ps, m.data(), "optimizer.exp_avg.");
+        read_parameter_buffer(f.state, ps, v.data(), "optimizer.exp_avg_sq.");
+        optimizer_.state().set_state(step, m, v);
+        train_.set_offsets(f.state.to_vector<std::int64_t>("trainer.data_position"));
+        const std::int64_t sample_offset = read_state_count(f.state, "trainer.sample_rng");
+        sample_rng_.set_state(sample_rng_.seed(), std::uint64_t(sample_offset));
+        memory_.reset(slice_.count, o_.seq_len);
+        if constexpr (carries_memory) {  // the memory layers, in the memory's slot order
+            std::vector<index_t> layers;
+            for (index_t slot = 0; slot < model_.n_memory_layers(); ++slot) layers.push_back(model_.memory_layer(slot));
+            read_state_memory(f.state, layers, o_.batch, model_width(), memory_, slice_.first, slice_.count);
+        }
+        last_saved_ = step;
+        last_saved_path_ = path;
+    }
+
+    /// Steps until `fo.until` (at most options.steps), reporting every log_every steps, validating every
+    /// eval_every and saving every save_every steps (not at the last step: the caller decides what
+    /// ends a run). Returns the number of steps taken.
+    std::int64_t fit(const fit_options& fo, const fit_hooks& hooks = {}) {
+        MNEMO_CHECK(fo.log_every >= 1, "fit: log_every must be at least 1, got ", fo.log_every);
+        MNEMO_CHECK(fo.save_every == 0 || !fo.checkpoint.empty(), "fit: save_every needs a checkpoint path");
+        const std::int64_t first = step_count();
+        const std::int64_t end = std::min(fo.until, o_.steps);
+        double train_seconds = 0, log_seconds = 0, log_ce = 0, log_ar = 0, log_norm = 0, log_bytes = 0;
+        std::int64_t log_n = 0;
+        for (std::int64_t step = first; step < end; ++step) {
+            const step_result r = this->step();
+            train_seconds += r.seconds;
+            log_seconds += r.seconds;
+            log_ce += r.ce;
+            log_ar += r.ar;
+            log_norm += r.grad_norm;
+            log_bytes += double(r.exchanged_bytes);
+            ++log_n;
+            const std::int64_t done = r.step;
+            if (done % fo.log_every == 0 || done == end) {
+                const double per_step = log_seconds / double(log_n);  // since the last report
+                if (hooks.on_log)
+                    hooks.on_log({.step = done,
+                                  .steps = o_.steps,
+                                  .ce = log_ce / double(log_n),
+                                  .ar = log_ar / double(log_n),
+                                  .grad_norm = log_norm / double(log_n),
+                                  .lr = r.lr,
+                                  .tokens_per_second = double(o_.seq_len * o_.batch) / per_step,
+                                  .seconds_per_step = per_step,
+                                  .eta_seconds = train_seconds / double(done - first) * double(o_.steps - done),
+                                  .train_seconds = train_seconds,
+                                  .exchanged_bytes = log_bytes / double(log_n)});
+                log_seconds = log_ce = log_ar = log_norm = log_bytes = 0;
+                log_n = 0;
+            }
+            if (fo.eval_every > 0 && done % fo.eval_every == 0 && done != end) {
+                const auto t0 = std::chrono::steady_clock::now();
+                const validation_result v = validate(fo.eval_segments);
+                if (hooks.on_validation)
+                    hooks.on_validation(done, v,
+                                        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+            }
+            if (fo.save_every > 0 && done % fo.save_every == 0 && done != end) {
+                save(fo.checkpoint, hooks.checkpoint_metadata ? hooks.checkpoint_metadata() : safetensors_metadata{});
+                if (hooks.on_save) hooks.on_save(done, fo.checkpoint);
+            }
+        }
+        return step_count() - first;
+    }
+
+private:
+    // The pair's contents (rank 0 with several ranks: the memory from gather_memory()).
+    void write_checkpoint(const std::string& path, safetensors_metadata metadata) {
         metadata["format"] = "mnemo-train-1";
         metadata["step"] = std::to_string(optimizer_.step_count());
         metadata["vocab_hex"] = vocab_.hex();
@@ -420,105 +608,55 @@ public:
         w.add("trainer.vocab", {vocab_.size()}, vocab_.bytes.data());
         if constexpr (carries_memory) {
             const std::int64_t b = o_.batch, d = model_width();
+            const bool gathered = comm_.size() > 1;
             for (index_t slot = 0; slot < model_.n_memory_layers(); ++slot) {  // named by layer
                 const std::string p = "memory." + std::to_string(model_.memory_layer(slot));
-                w.add(p + ".mem", {memory_.mem_slots(), b, d}, memory_.mem(slot).data());
-                w.add(p + ".c_mem", {memory_.c_mem_slots(), b, d}, memory_.c_mem(slot).data());
+                const std::size_t k = std::size_t(slot) * 3;
+                w.add(p + ".mem", {memory_.mem_slots(), b, d}, gathered ? gathered_[k].data() : memory_.mem(slot).data());
+                w.add(p + ".c_mem", {memory_.c_mem_slots(), b, d},
+                      gathered ? gathered_[k + 1].data() : memory_.c_mem(slot).data());
                 if constexpr (Model::needs_usage)  // most-used compression: the attention each row received
-                    w.add(p + ".usage", {memory_.mem_slots(), b}, memory_.usage(slot));
+                    w.add(p + ".usage", {memory_.mem_slots(), b}, gathered ? gathered_[k + 2].data() : memory_.usage(slot));
             }
         }
         w.set_metadata(std::move(metadata));
         cw.commit();
-        last_saved_ = step;
-        last_saved_path_ = path;
     }
 
-    /// Restores a checkpoint's parameters, optimizer moments, stream positions, sampling RNG and memory.
-    /// The vocabulary must be the trainer's. `path` is remembered as the last checkpoint.
-    void restore(const trainer_checkpoint_files& f, const std::string& path = {}) {
-        MNEMO_CHECK(trainer_checkpoint_vocabulary(f).bytes == vocab_.bytes,
-                    "the checkpoint's vocabulary differs from the data's");
-        auto& ps = model_.parameters();
-        load_parameters(f.model, ps);  // strict: every tensor, the model's shapes
-        const std::int64_t step = read_state_count(f.state, "trainer.step");
-        std::vector<float> m(std::size_t(ps.size()), 0.0f), v(std::size_t(ps.size()), 0.0f);
-        read_parameter_buffer(f.state, ps, m.data(), "optimizer.exp_avg.");
-        read_parameter_buffer(f.state, ps, v.data(), "optimizer.exp_avg_sq.");
-        optimizer_.state().set_state(step, m, v);
-        train_.set_offsets(f.state.to_vector<std::int64_t>("trainer.data_position"));
-        const std::int64_t sample_offset = read_state_count(f.state, "trainer.sample_rng");
-        sample_rng_.set_state(sample_rng_.seed(), std::uint64_t(sample_offset));
-        memory_.reset(o_.batch, o_.seq_len);
-        if constexpr (carries_memory) {  // the memory layers, in the memory's slot order
-            std::vector<index_t> layers;
-            for (index_t slot = 0; slot < model_.n_memory_layers(); ++slot) layers.push_back(model_.memory_layer(slot));
-            read_state_memory(f.state, layers, o_.batch, model_width(), memory_);
-        }
-        last_saved_ = step;
-        last_saved_path_ = path;
-    }
-
-    /// Steps until `fo.until` (at most options.steps), reporting every log_every steps, validating every
-    /// eval_every and saving every save_every steps (not at the last step: the caller decides what
-    /// ends a run). Returns the number of steps taken.
-    std::int64_t fit(const fit_options& fo, const fit_hooks& hooks = {}) {
-        MNEMO_CHECK(fo.log_every >= 1, "fit: log_every must be at least 1, got ", fo.log_every);
-        MNEMO_CHECK(fo.save_every == 0 || !fo.checkpoint.empty(), "fit: save_every needs a checkpoint path");
-        const std::int64_t first = step_count();
-        const std::int64_t end = std::min(fo.until, o_.steps);
-        double train_seconds = 0, log_seconds = 0, log_ce = 0, log_ar = 0, log_norm = 0;
-        std::int64_t log_n = 0;
-        for (std::int64_t step = first; step < end; ++step) {
-            const step_result r = this->step();
-            train_seconds += r.seconds;
-            log_seconds += r.seconds;
-            log_ce += r.ce;
-            log_ar += r.ar;
-            log_norm += r.grad_norm;
-            ++log_n;
-            const std::int64_t done = r.step;
-            if (done % fo.log_every == 0 || done == end) {
-                const double per_step = log_seconds / double(log_n);  // since the last report
-                if (hooks.on_log)
-                    hooks.on_log({.step = done,
-                                  .steps = o_.steps,
-                                  .ce = log_ce / double(log_n),
-                                  .ar = log_ar / double(log_n),
-                                  .grad_norm = log_norm / double(log_n),
-                                  .lr = r.lr,
-                                  .tokens_per_second = double(o_.seq_len * o_.batch) / per_step,
-                                  .seconds_per_step = per_step,
-                                  .eta_seconds = train_seconds / double(done - first) * double(o_.steps - done),
-                                  .train_seconds = train_seconds});
-                log_seconds = log_ce = log_ar = log_norm = 0;
-                log_n = 0;
-            }
-            if (fo.eval_every > 0 && done % fo.eval_every == 0 && done != end) {
-                const auto t0 = std::chrono::steady_clock::now();
-                const validation_result v = validate(fo.eval_segments);
-                if (hooks.on_validation)
-                    hooks.on_validation(done, v,
-                                        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-            }
-            if (fo.save_every > 0 && done % fo.save_every == 0 && done != end) {
-                save(fo.checkpoint, hooks.checkpoint_metadata ? hooks.checkpoint_metadata() : safetensors_metadata{});
-                if (hooks.on_save) hooks.on_save(done, fo.checkpoint);
+    // Every rank's memory, in the file's layout [slots, batch, width], into gathered_ on rank 0
+    // (per memory layer: mem, c_mem, usage). Collective.
+    void gather_memory() {
+        if constexpr (carries_memory) {
+            const index_t n = comm_.size(), local = slice_.count, d = model_width();
+            gathered_.resize(std::size_t(model_.n_memory_layers()) * 3);
+            const auto gather = [&](const float* mine, index_t slots, index_t width, std::vector<float>& out) {
+                const index_t block = slots * local * width;  // this rank's [slots, local, width]
+                received_.resize(std::size_t(block * n));
+                comm_.gather(mine, sizeof(float) * std::size_t(block), received_.data(), 0);
+                if (comm_.rank() != 0) return;
+                out.resize(std::size_t(block * n));
+                for (index_t r = 0; r < n; ++r)  // rank r's streams are [r·local, (r + 1)·local)
+                    ops<cpu>::copy(slots, local * width, received_.data() + r * block, local * width,
+                                   out.data() + r * local * width, n * local * width);
+            };
+            for (index_t slot = 0; slot < model_.n_memory_layers(); ++slot) {
+                const std::size_t k = std::size_t(slot) * 3;
+                gather(memory_.mem(slot).data(), memory_.mem_slots(), d, gathered_[k]);
+                gather(memory_.c_mem(slot).data(), memory_.c_mem_slots(), d, gathered_[k + 1]);
+                if constexpr (Model::needs_usage) gather(memory_.usage(slot), memory_.mem_slots(), 1, gathered_[k + 2]);
             }
         }
-        return step_count() - first;
     }
 
-private:
     template <class Memory>
     segment_losses run_segment(std::span<const token_t> inputs, std::span<const token_t> targets, Memory& memory,
                                bool train) {
         if constexpr (carries_memory)
-            return train ? model_.train_segment(inputs, targets, o_.batch, memory)
-                         : model_.eval_segment(inputs, targets, o_.batch, memory);
+            return train ? model_.train_segment(inputs, targets, slice_.count, memory)
+                         : model_.eval_segment(inputs, targets, slice_.count, memory);
         else
-            return {.ce = train ? model_.train_segment(inputs, targets, o_.batch)
-                                : model_.eval_segment(inputs, targets, o_.batch)};
+            return {.ce = train ? model_.train_segment(inputs, targets, slice_.count)
+                                : model_.eval_segment(inputs, targets, slice_.count)};
     }
 
     /// d_model, from the embedding's shape [vocab, d_model] (the same for static and runtime shapes).
@@ -540,12 +678,17 @@ private:
     Model& model_;
     trainer_options o_;
     const byte_vocabulary& vocab_;
+    communicator& comm_;
+    stream_slice slice_;
     segment_streams train_, valid_;
     trainer_optimizer optimizer_;
     memory_type memory_;
     rng sample_rng_;
     sampling_scratch scratch_;
     std::vector<token_t> inputs_, targets_;
+    gradient_averager averager_;
+    std::vector<std::vector<float>> gathered_;  // rank 0: every stream's memory, for a save
+    std::vector<float> received_;
     std::int64_t last_saved_ = -1;
     std::string last_saved_path_;
 };

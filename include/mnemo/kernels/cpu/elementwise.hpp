@@ -74,6 +74,18 @@ struct elementwise {
         });
     }
 
+    /// y[i, :] = s · x[i, :]   (in place when y == x)
+    template <class T>
+    static void scale(index_t rows, index_t n, const T* x, index_t ldx, T s, T* y, index_t ldy) {
+        parallel_range(rows, rows * n >= 65536, [&](index_t i_begin, index_t i_end) {
+        for (index_t i = i_begin; i < i_end; ++i) {
+            const T* xi = x + i * ldx;
+            T* yi = y + i * ldy;
+            for (index_t j = 0; j < n; ++j) yi[j] = xi[j] * s;
+        }
+        });
+    }
+
     /// y[i, :] = table[ids[i], :]   (ids already checked to lie in [0, rows of table))
     template <class T, class I>
     static void gather_rows(index_t rows, index_t n, const I* ids, const T* table, index_t ldt, T* y, index_t ldy) {
