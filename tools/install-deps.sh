@@ -11,9 +11,10 @@
 set -euo pipefail
 
 # libcli11-dev: the programs' command lines; gnuplot-nox: tools/plot.sh; clang-14 + libclang-rt-14-dev:
-# libFuzzer (tools/fuzz.sh); libomp-14-dev: LLVM's OpenMP with Archer (tools/tsan.sh).
+# libFuzzer (tools/fuzz.sh); libomp-14-dev: LLVM's OpenMP with Archer (tools/tsan.sh); libopenmpi-dev +
+# openmpi-bin: data-parallel training (mpirun -np N train) and its tests.
 packages=(build-essential cmake libeigen3-dev libxsimd-dev xtl-dev doctest-dev libbenchmark-dev libcli11-dev
-          gnuplot-nox clang-14 libclang-rt-14-dev libomp-14-dev)
+          gnuplot-nox clang-14 libclang-rt-14-dev libomp-14-dev libopenmpi-dev openmpi-bin)
 for arg in "$@"; do
   case "$arg" in
     --python) packages+=(python3-torch python3-numpy libopenblas0-openmp) ;;
