@@ -335,7 +335,8 @@ run_result train_model(const settings& s, const corpus& c, const mnemo::trainer_
         if (s.c_mem_len > 0) std::printf("  %s %.5f", aux_loss_name(s), p.ar);
         std::printf("  |grad| %.3f  lr %.3g  %.0f tok/s  %.1f ms/step", p.grad_norm, p.lr, p.tokens_per_second,
                     1e3 * p.seconds_per_step);
-        if (comm.size() > 1) std::printf("  exchange %.2f MB/step", p.exchanged_bytes / 1e6);
+        if (comm.size() > 1)
+            std::printf("  exchange %.2f MB/step in %.1f ms", p.exchanged_bytes / 1e6, 1e3 * p.exchange_seconds_per_step);
         std::printf("  ETA %s\n", format_duration(p.eta_seconds).c_str());
         std::fflush(stdout);
         metrics.train(run_label, p.step, tokens_at(p.step), p.ce, p.ar, p.lr, p.grad_norm, p.tokens_per_second,

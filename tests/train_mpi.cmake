@@ -65,7 +65,7 @@ run(two ${mpi} -np 2 ${TRAIN} ${model} --steps 20 --checkpoint ${WORK_DIR}/two20
 final_loss(l1 "${one}")
 final_loss(l2 "${two}")
 expect_close("2 ranks against one process" ${l1} ${l2})
-foreach(expected "processes: MPI, 2 ranks, 2 streams each" "exchange [0-9.]+ MB/step")
+foreach(expected "processes: MPI, 2 ranks, 2 streams each" "exchange [0-9.]+ MB/step in [0-9.]+ ms")
   if(NOT two MATCHES "${expected}")
     message(FATAL_ERROR "train_mpi: no '${expected}' in the 2-rank output:\n${two}")
   endif()

@@ -21,11 +21,12 @@ ms() { sed -E 's/.* ([0-9.]+) ms\/step.*/\1/'; }
 for config in A B; do
     declare -n args=$config
     for round in 1 2; do
-        one=$("$train" "${common[@]}" "${args[@]}" --threads 2 | last_line)
-        two=$("${mpi[@]}" "$train" "${common[@]}" "${args[@]}" --threads 1 | last_line)
-        exchange=$(sed -E 's/.*exchange ([0-9.]+) MB\/step.*/\1/' <<<"$two")
-        echo "$config round $round: 1 rank x 2 threads $(ms <<<"$one") ms/step; 2 ranks x 1 thread $(ms <<<"$two") ms/step, exchange $exchange MB/step per rank"
+        one=$("$train" "${common[@]}" "${args[@]}" --threads 2)
+        two=$("${mpi[@]}" "$train" "${common[@]}" "${args[@]}" --threads 1)
+        exchange=$(last_line <<<"$two" | sed -E 's/.*exchange ([0-9.]+ MB\/step in [0-9.]+ ms).*/\1/')
+        echo "$config round $round: 1 rank x 2 threads $(last_line <<<"$one" | ms) ms/step;" \
+             "2 ranks x 1 thread $(last_line <<<"$two" | ms) ms/step, exchange $exchange per rank"
     done
-    params=$("$train" "${common[@]}" "${args[@]}" --threads 2 --steps 1 --log-every 1 | grep -o '[0-9]* parameters')
-    echo "$config: $params (all of them: $(( ${params% parameters} * 4 / 1000 )) kB per step if sent whole)"
+    params=$(grep -o '[0-9]* parameters' <<<"$one" | grep -o '[0-9]*')
+    echo "$config: $params parameters: $(( params * 4 / 1000 )) kB per step if the whole gradient were sent"
 done

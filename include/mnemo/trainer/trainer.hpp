@@ -197,6 +197,7 @@ struct step_result {
     double lr = 0;          // the step's learning rate
     double seconds = 0;     // wall time of the step
     std::uint64_t exchanged_bytes = 0;  // gradient bytes this rank summed with the others (0: one rank)
+    double exchange_seconds = 0;        // wall time of that exchange and of the losses' (part of seconds)
 };
 
 /// A validation's figures: means over segments.
@@ -293,6 +294,7 @@ struct fit_progress {
     double eta_seconds = 0;            // at the pace of this session's steps so far
     double train_seconds = 0;          // this session's step time so far (validation excluded)
     double exchanged_bytes = 0;        // gradient bytes summed per step and rank (0: one rank)
+    double exchange_seconds_per_step = 0;  // the time those exchanges took, per step
 };
 
 /// fit()'s callbacks (each may be empty).
@@ -364,12 +366,15 @@ public:
         if (train_.next(inputs_, targets_)) memory_.reset(slice_.count, o_.seq_len);  // a new pass over the text
         ps.zero_grad();
         segment_losses l = run_segment(inputs_, targets_, memory_, /*train=*/true);
+        double exchange_seconds = 0;
         if (comm_.size() > 1) {  // the mean over every rank's streams, as one process with the whole batch
+            const auto e0 = std::chrono::steady_clock::now();
             averager_.reduce(comm_, ps);
             double losses[2] = {l.ce, l.ar};
             comm_.sum(losses, 2);
             l.ce = losses[0] / double(comm_.size());
             l.ar = losses[1] / double(comm_.size());
+            exchange_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - e0).count();
         }
         const double norm = o_.clip > 0 ? clip_grad_norm(ps, o_.clip) : grad_norm(ps);
         const std::int64_t step = optimizer_.step_count() + 1;
@@ -392,7 +397,8 @@ public:
                 .grad_norm = norm,
                 .lr = lr,
                 .seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
-                .exchanged_bytes = averager_.last_bytes()};
+                .exchanged_bytes = averager_.last_bytes(),
+                .exchange_seconds = exchange_seconds};
     }
 
     /// Validation from the start of the validation streams with a fresh memory of the options'
@@ -542,7 +548,7 @@ public:
         MNEMO_CHECK(fo.save_every == 0 || !fo.checkpoint.empty(), "fit: save_every needs a checkpoint path");
         const std::int64_t first = step_count();
         const std::int64_t end = std::min(fo.until, o_.steps);
-        double train_seconds = 0, log_seconds = 0, log_ce = 0, log_ar = 0, log_norm = 0, log_bytes = 0;
+        double train_seconds = 0, log_seconds = 0, log_ce = 0, log_ar = 0, log_norm = 0, log_bytes = 0, log_exchange = 0;
         std::int64_t log_n = 0;
         for (std::int64_t step = first; step < end; ++step) {
             const step_result r = this->step();
@@ -552,6 +558,7 @@ public:
             log_ar += r.ar;
             log_norm += r.grad_norm;
             log_bytes += double(r.exchanged_bytes);
+            log_exchange += r.exchange_seconds;
             ++log_n;
             const std::int64_t done = r.step;
             if (done % fo.log_every == 0 || done == end) {
@@ -567,8 +574,9 @@ public:
                                   .seconds_per_step = per_step,
                                   .eta_seconds = train_seconds / double(done - first) * double(o_.steps - done),
                                   .train_seconds = train_seconds,
-                                  .exchanged_bytes = log_bytes / double(log_n)});
-                log_seconds = log_ce = log_ar = log_norm = log_bytes = 0;
+                                  .exchanged_bytes = log_bytes / double(log_n),
+                                  .exchange_seconds_per_step = log_exchange / double(log_n)});
+                log_seconds = log_ce = log_ar = log_norm = log_bytes = log_exchange = 0;
                 log_n = 0;
             }
             if (fo.eval_every > 0 && done % fo.eval_every == 0 && done != end) {
