@@ -13,6 +13,5 @@ cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=None -DCMAKE_CXX_FLAGS="-O1 -g1" -DMNE
       -DMNEMO_BUILD_BENCHMARKS=OFF -DMNEMO_TEST_SECOND_ISA=OFF >/dev/null
 cmake --build "$build" -j "$jobs"
 export ASAN_OPTIONS=detect_leaks=1:strict_string_checks=1
-export LSAN_OPTIONS=suppressions=$PWD/tools/lsan_mpi.supp  # Open MPI's own allocations (data-parallel tests)
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 ctest --test-dir "$build" --output-on-failure -j "$jobs"
