@@ -17,7 +17,8 @@
 // Errors. A collective that one rank skips because it threw leaves the others waiting forever. Code that
 // can fail on some ranks only (reading a file) runs under agree(): every rank reports whether it
 // failed, and all of them learn the first failing rank and its message, so all of them throw the same
-// error (collective_error) and leave together; only rank 0 needs to print it.
+// error (collective_error) and leave together; only rank 0 needs to print it. With one process,
+// agree() only runs the work.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -26,7 +27,9 @@
 #include <exception>
 #include <functional>
 #include <limits>
+#include <new>
 #include <span>
+#include <stdexcept>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -95,11 +98,20 @@ public:
     }
 
     /// Runs `work` on every rank; if it threw on some, every rank throws collective_error with the
-    /// message of the first failing rank ("rank R: " in front when there are several ranks).
+    /// message of the first failing rank, "rank R: " in front. With one rank, work's own exception
+    /// passes through unchanged.
     void agree(const std::function<void()>& work) {
+        if (size() == 1) {
+            work();
+            return;
+        }
         std::string message;
         try {
             work();
+        } catch (const std::bad_alloc&) {
+            message = "out of memory (the model, the batch or the memory lengths are too large for this machine)";
+        } catch (const std::length_error&) {
+            message = "out of memory (the model, the batch or the memory lengths are too large for this machine)";
         } catch (const std::exception& e) {
             message = e.what();
             if (message.empty()) message = "an error without a message";
@@ -108,12 +120,9 @@ public:
         min(&first, 1);
         if (first == std::numeric_limits<std::int64_t>::max()) return;
         message = broadcast(message, int(first));
-        if (size() > 1) {
-            const std::string prefix = "mnemo: ";
-            const std::string body = message.starts_with(prefix) ? message.substr(prefix.size()) : message;
-            message = prefix + "rank " + std::to_string(first) + ": " + body;
-        }
-        throw collective_error(message);
+        const std::string prefix = "mnemo: ";
+        const std::string body = message.starts_with(prefix) ? message.substr(prefix.size()) : message;
+        throw collective_error(prefix + "rank " + std::to_string(first) + ": " + body);
     }
 
 protected:

@@ -504,7 +504,7 @@ public:
 
     /// Saves the model file PATH with `metadata` (plus "format", "step" and "vocab_hex") and the state
     /// file PATH.state.safetensors, as one (see the header comment). With several ranks it is called on
-    /// every rank and rank 0 writes. An error throws collective_error (on every rank).
+    /// every rank, rank 0 writes, and an error there throws collective_error on every rank.
     void save(const std::string& path, safetensors_metadata metadata) {
         if (comm_.size() > 1) gather_memory();
         comm_.agree([&] {
