@@ -38,7 +38,8 @@ mkdir -p "$build"
 for h in "${harnesses[@]}"; do
     if [ ! -x "$build/$h" ] || [ -n "$(find include fuzz/$h.cpp -newer "$build/$h" -print -quit)" ]; then
         echo "fuzz.sh: building $h"
-        "$cxx" -std=c++20 -O2 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
+        # -fopenmp: mnemo is built with OpenMP wherever it is used (LLVM's libomp here, libomp-14-dev).
+        "$cxx" -std=c++20 -O2 -g -fopenmp -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
             -Iinclude -isystem /usr/include/eigen3 "fuzz/$h.cpp" -o "$build/$h"
     fi
 done
