@@ -14,12 +14,17 @@ public:
 };
 
 namespace detail {
-template <class... Args>
-[[noreturn]] inline void fail(Args&&... args) {
+/// Throws E (mnemo::error or a type derived from it) with "mnemo: " and the parts of the message.
+template <class E, class... Args>
+[[noreturn]] inline void fail_as(Args&&... args) {
     std::ostringstream os;
     os << "mnemo: ";
     (os << ... << std::forward<Args>(args));
-    throw error(os.str());
+    throw E(os.str());
+}
+template <class... Args>
+[[noreturn]] inline void fail(Args&&... args) {
+    fail_as<error>(std::forward<Args>(args)...);
 }
 }  // namespace detail
 

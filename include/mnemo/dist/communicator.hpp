@@ -30,7 +30,6 @@
 #include <new>
 #include <span>
 #include <stdexcept>
-#include <sstream>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -50,17 +49,6 @@ class collective_error : public error {
 public:
     using error::error;
 };
-
-namespace detail {
-/// Throws collective_error with a message built as detail::fail builds one ("mnemo: " in front).
-template <class... Args>
-[[noreturn]] inline void fail_collective(Args&&... args) {
-    std::ostringstream os;
-    os << "mnemo: ";
-    (os << ... << std::forward<Args>(args));
-    throw collective_error(os.str());
-}
-}  // namespace detail
 
 /// What data-parallel training asks of the processes (see the header comment).
 class communicator {

@@ -21,7 +21,6 @@
 #include <cstdlib>
 #include <optional>
 #include <string>
-#include <vector>
 
 #include "../core/buffer.hpp"
 #include "../core/error.hpp"
@@ -95,9 +94,9 @@ private:
     void reduce_then_broadcast(T* x, std::size_t n, MPI_Datatype type, MPI_Op op) {
         if (size_ == 1 || n == 0) return;
         MNEMO_CHECK(n <= std::size_t(INT32_MAX), "MPI: a reduction of ", n, " values is too large for one call");
-        std::vector<T> out(n);
-        detail::mpi_check(MPI_Reduce(x, out.data(), int(n), type, op, 0, MPI_COMM_WORLD), "a reduction");
-        if (rank_ == 0) std::copy(out.begin(), out.end(), x);
+        // In place on rank 0 (no buffer to allocate in a training step), then from rank 0 to all.
+        detail::mpi_check(MPI_Reduce(rank_ == 0 ? MPI_IN_PLACE : x, x, int(n), type, op, 0, MPI_COMM_WORLD),
+                          "a reduction");
         detail::mpi_check(MPI_Bcast(x, int(n), type, 0, MPI_COMM_WORLD), "a broadcast");
     }
 

@@ -382,7 +382,7 @@ public:
             const bool ce_bad = !std::isfinite(l.ce), ar_bad = !ce_bad && !std::isfinite(l.ar);
             char value[32];
             std::snprintf(value, sizeof value, "%g", ce_bad ? l.ce : ar_bad ? l.ar : norm);
-            detail::fail_collective("step ", step, ": ", ce_bad ? "the loss" : ar_bad ? "the reconstruction loss" : "the gradient norm",
+            detail::fail_as<collective_error>("step ", step, ": ", ce_bad ? "the loss" : ar_bad ? "the reconstruction loss" : "the gradient norm",
                          " is ", value, "; stopped before the optimizer step (",
                          last_saved_ < 0 ? std::string("nothing was saved")
                                          : "the last checkpoint, '" + last_saved_path_ + "' at step " +
