@@ -33,6 +33,19 @@ struct ops {
                   "(mnemo::cpu is implemented; mnemo::cuda is declared but its kernels are not part of this build)");
 };
 
+/// device_memory<Backend>: where a backend's buffers live and the host path to them. Each backend
+/// specialises it (kernels/cpu/memory.hpp for mnemo::cpu) with
+///   allocate(bytes) -> void*        deallocate(p, bytes)        fill_zero(p, bytes)
+///   copy(dst, src, bytes)           within the backend, ranges may overlap
+///   upload(dst, host, bytes)        download(host, src, bytes)   the host path
+/// buffer<T, Backend> and parameter_set<T, Backend> allocate and clear through it; checkpoints and
+/// initialisation go through upload and download. Nothing else reaches a backend's memory but its kernels.
+template <class Backend>
+struct device_memory {
+    static_assert(dependent_false<Backend>, "mnemo: this backend has no memory: device_memory<Backend> is not "
+                                            "specialised for it (see core/backend.hpp)");
+};
+
 /// expect_backend<Expected, Got>: a view of one backend passed to a module of another.
 template <class Expected, class Got>
 struct expect_backend {

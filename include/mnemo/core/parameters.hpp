@@ -18,6 +18,12 @@
 // the whole tensor as touched, the mutable grads() the whole buffer, until the next zero_grad(). So code
 // that fills gradients by hand (tests, finite differences, loading) stays correct, only slower.
 //
+// Backends. parameter_set<T, Backend> keeps both flat buffers in the backend's memory
+// (device_memory<Backend>): value() and grad() are then pointers for that backend's kernels, and host
+// code reaches the numbers only through the host path (upload, download, on a param or the whole set),
+// which initialisation and checkpoints use. On the CPU backend (the default) the pointers are host
+// memory and the host path is a copy.
+//
 // Deferred weight decay. AdamW's decoupled decay multiplies every parameter by (1 − lr·wd) at every
 // step, those without gradient too; for the positional tables' rows outside the window (A: 6.3M of
 // 7.5M parameters) that is 50 MB of memory traffic a step for rows nothing reads. An optimizer's
@@ -35,6 +41,7 @@
 #include <cstring>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -45,7 +52,7 @@
 
 namespace mnemo {
 
-template <class T>
+template <class T, class Backend = cpu>
 class parameter_set;
 
 /// How a tensor's gradient is written. dense: anywhere, by anyone. rows: only in rows (slices along
@@ -71,11 +78,11 @@ struct flat_range {
     friend bool operator==(const flat_range&, const flat_range&) = default;
 };
 
-template <class T>
+template <class T, class Backend = cpu>
 class param {
 public:
     param() = default;
-    param(parameter_set<T>* set, index_t index) : set_(set), index_(index) {}
+    param(parameter_set<T, Backend>* set, index_t index) : set_(set), index_(index) {}
 
     /// The tensor's values (paying any deferred decay first, see the header comment).
     T* value() const { return set_->value_ptr(index_); }
@@ -96,13 +103,32 @@ public:
     const tensor_entry& entry() const { return set_->entries()[static_cast<std::size_t>(index_)]; }
     explicit operator bool() const { return set_ != nullptr; }
 
+    /// Host path: the tensor's values from host memory (size() elements); counts as a change.
+    void upload(std::span<const T> host) const { set_->upload_values(index_, host); }
+    /// Host path: the tensor's values into host memory (size() elements).
+    void download(std::span<T> host) const { set_->download_values(index_, host); }
+    /// Host path: value i = next() for i = 0, 1, … (initialisers draw in the tensor's element order),
+    /// formed in host memory and uploaded.
+    template <class F>
+    void generate(F&& next) const {
+        std::vector<T> host(static_cast<std::size_t>(size()));
+        for (T& v : host) v = static_cast<T>(next());
+        upload(host);
+    }
+    /// Host path: every value = v.
+    void fill(T v) const {
+        generate([v] { return v; });
+    }
+
 private:
-    parameter_set<T>* set_ = nullptr;
+    parameter_set<T, Backend>* set_ = nullptr;
     index_t index_ = -1;
 };
 
-template <class T>
+template <class T, class Backend>
 class parameter_set {
+    using memory = device_memory<Backend>;
+
 public:
     static constexpr index_t alignment_elems = static_cast<index_t>(buffer_alignment / sizeof(T));
 
@@ -112,7 +138,7 @@ public:
 
     /// Declares a tensor `name` of `shape`. Only before allocate(); names must be unique. With
     /// grad_sparsity::rows its gradient may be written only in rows recorded with touch_grad_rows().
-    param<T> declare(std::string name, std::vector<index_t> shape, grad_sparsity sparsity = grad_sparsity::dense) {
+    param<T, Backend> declare(std::string name, std::vector<index_t> shape, grad_sparsity sparsity = grad_sparsity::dense) {
         MNEMO_CHECK(!allocated_, "parameter_set: cannot declare '", name, "' after allocate()");
         MNEMO_CHECK(!index_.contains(name), "parameter_set: tensor '", name, "' declared twice");
         index_t size = 1;
@@ -126,14 +152,14 @@ public:
         total_ += (size + alignment_elems - 1) / alignment_elems * alignment_elems;
         index_.emplace(e.name, static_cast<index_t>(entries_.size()));
         entries_.push_back(std::move(e));
-        return param<T>(this, static_cast<index_t>(entries_.size() - 1));
+        return param<T, Backend>(this, static_cast<index_t>(entries_.size() - 1));
     }
 
     /// Fixes the layout and allocates values and gradients, both zero.
     void allocate() {
         MNEMO_CHECK(!allocated_, "parameter_set: allocate() called twice");
-        values_.assign(static_cast<std::size_t>(total_), T(0));
-        grads_.assign(static_cast<std::size_t>(total_), T(0));
+        memory::fill_zero(values_.ensure(total_), bytes(total_));
+        memory::fill_zero(grads_.ensure(total_), bytes(total_));
         decay_log_.reserve(max_deferred);
         owed_from_.assign(static_cast<std::size_t>((total_ + deferred_block - 1) / deferred_block), 0);
         pending_ = std::make_unique<std::atomic<std::uint8_t>[]>(entries_.size());
@@ -196,10 +222,9 @@ public:
     void zero_grad() {
         T* g = checked(grads_).data();
         if (all_touched_) {
-            std::memset(g, 0, sizeof(T) * static_cast<std::size_t>(total_));
+            memory::fill_zero(g, bytes(total_));
         } else {
-            for (const flat_range& r : grad_live_ranges())
-                std::memset(g + r.begin, 0, sizeof(T) * static_cast<std::size_t>(r.end - r.begin));
+            for (const flat_range& r : grad_live_ranges()) memory::fill_zero(g + r.begin, bytes(r.end - r.begin));
         }
         for (std::size_t i = 0; i < entries_.size(); ++i)
             if (entries_[i].sparsity != grad_sparsity::dense) touched_[i] = {};
@@ -280,6 +305,33 @@ public:
         return v + begin;
     }
 
+    /// Host path: tensor i's values from / into host memory (entry size elements). Upload counts as a
+    /// change (version() moves on); both settle the tensor's deferred decay first.
+    void upload_values(index_t i, std::span<const T> host) {
+        const tensor_entry& e = host_entry(i, host.size(), "upload");
+        memory::upload(value_ptr(i), host.data(), bytes(e.size));
+        ++version_;
+    }
+    void download_values(index_t i, std::span<T> host) {
+        const tensor_entry& e = host_entry(i, host.size(), "download");
+        memory::download(host.data(), value_ptr(i), bytes(e.size));
+    }
+    /// Host path over the whole flat buffers (size() elements, alignment gaps included).
+    void upload_all_values(std::span<const T> host) {
+        MNEMO_CHECK(index_t(host.size()) == total_, "parameter_set: upload of ", host.size(), " values into a set of ",
+                    total_);
+        memory::upload(values(), host.data(), bytes(total_));
+    }
+    void download_all_values(std::span<T> host) const {
+        MNEMO_CHECK(index_t(host.size()) == total_, "parameter_set: download of ", total_, " values into ", host.size());
+        memory::download(host.data(), values(), bytes(total_));
+    }
+    void download_all_grads(std::span<T> host) const {
+        MNEMO_CHECK(index_t(host.size()) == total_, "parameter_set: download of ", total_, " gradients into ",
+                    host.size());
+        memory::download(host.data(), grads(), bytes(total_));
+    }
+
     /// Elements per block of the deferred decay (an optimizer's blocks must be these).
     static constexpr index_t deferred_block = 1024;
     /// Factors the log holds before it is paid off.
@@ -289,7 +341,9 @@ public:
     /// raw values, in which the step must then, for every block of deferred_block elements, either
     /// leave the block alone (it owes `factor` now) or call settle_block(b) and then update it,
     /// applying `factor` itself. Serial code only. Counts as a change (version() moves on).
-    T* begin_deferred_decay(T factor) {
+    T* begin_deferred_decay(T factor)
+        requires std::is_same_v<Backend, cpu>
+    {
         T* v = checked(values_).data();
         ++version_;
         if (decay_log_.size() == max_deferred) pay_all();
@@ -318,6 +372,15 @@ public:
     }
 
 private:
+    static std::size_t bytes(index_t n) { return sizeof(T) * static_cast<std::size_t>(n); }
+    const tensor_entry& host_entry(index_t i, std::size_t n, const char* what) const {
+        MNEMO_CHECK(0 <= i && i < index_t(entries_.size()), "parameter_set: ", what, " of tensor ", i, " of ",
+                    entries_.size());
+        const tensor_entry& e = entries_[static_cast<std::size_t>(i)];
+        MNEMO_CHECK(index_t(n) == e.size, "parameter_set: ", what, " of ", n, " values for tensor '", e.name, "' of ",
+                    e.size);
+        return e;
+    }
     template <class V>
     V& checked(V& v) const {
         MNEMO_CHECK(allocated_, "parameter_set: allocate() must be called before parameters are used");
@@ -388,8 +451,8 @@ private:
     index_t total_ = 0;
     bool allocated_ = false;
     std::uint64_t version_ = 0;
-    mutable aligned_vector<T> values_;  // mutable: reading pays deferred decay (see the header comment)
-    aligned_vector<T> grads_;
+    mutable buffer<T, Backend> values_;  // mutable: reading pays deferred decay (see the header comment)
+    buffer<T, Backend> grads_;
     mutable std::vector<T> decay_log_;                // the deferred steps' factors, oldest first
     mutable std::vector<std::uint32_t> owed_from_;    // per block: the first logged factor it has not had
     std::unique_ptr<std::atomic<std::uint8_t>[]> pending_;  // per tensor: may owe deferred decay

@@ -98,7 +98,7 @@ struct compressive_layer_options {
 template <class T, class Config, template <class, std::size_t, std::size_t, class> class Compression,
           class Backend = cpu>
 class compressive_layer {
-    using K = ops<Backend>;
+    using K = checked_ops<Backend>;
     static constexpr std::size_t DM = Config::d_model;
 
 public:
@@ -106,7 +106,7 @@ public:
     using decoder_type = conv_transpose_decoder<T, DM, Config::compression_rate, Backend>;
     using gate_type = gru_gate<T, DM, Backend>;
 
-    compressive_layer(parameter_set<T>& ps, const std::string& prefix, index_t d_ff, index_t n_pos,
+    compressive_layer(parameter_set<T, Backend>& ps, const std::string& prefix, index_t d_ff, index_t n_pos,
                       const compressive_layer_options& o = {})
         : options_(check(o, prefix)),
           D(options_.shape.d_model),
@@ -351,7 +351,7 @@ private:
     index_t c_rows_ = 0, batch_q_rows_ = 0;            // the last pre-LN forward's c_mem rows and query rows
     bool all_normalised_ = false;                      // ... and whether it normalised every row of z
     bool z_mem_unwritten_ = false;                     // ... or only ẑ for its memory rows (absorbed route)
-    buffer<T> kv_in_, z_, zhat_, mean_, rstd_, attn_out_, x_mid_, z2_, ff_out_, d_mid_, dz2_, dz_, d_sub_;
+    buffer<T, Backend> kv_in_, z_, zhat_, mean_, rstd_, attn_out_, x_mid_, z2_, ff_out_, d_mid_, dz2_, dz_, d_sub_;
 };
 
 /// Settings fixed when the model is built (the compile-time ones are in Config; with runtime_config,
@@ -426,7 +426,7 @@ private:
 template <class T, class Config, template <class, std::size_t, std::size_t, class> class Compression = conv_compression,
           class Backend = cpu>
 class compressive_transformer {
-    using K = ops<Backend>;
+    using K = checked_ops<Backend>;
     static constexpr std::size_t DM = Config::d_model;
 
 public:
@@ -727,8 +727,8 @@ public:
     /// Whether the last forward had any padding (in its segment or its memory).
     bool last_forward_padded() const { return padding_active_; }
 
-    parameter_set<T>& parameters() { return params_; }
-    const parameter_set<T>& parameters() const { return params_; }
+    parameter_set<T, Backend>& parameters() { return params_; }
+    const parameter_set<T, Backend>& parameters() const { return params_; }
     /// The options as built (memory_layers listed in full, increasing; d_model, heads and
     /// compression_rate the model's).
     const compressive_options& options() const { return options_; }
@@ -797,7 +797,7 @@ private:
 
     compressive_options options_;
     [[no_unique_address]] extent_holder<DM> D;  // d_model: a constant for a static config
-    parameter_set<T> params_;
+    parameter_set<T, Backend> params_;
     embedding<T, DM, Backend> embed_;
     std::vector<layer_type> layers_;
     layer_norm<T, DM, Backend> norm_;
@@ -874,11 +874,11 @@ private:
         }
         return r;
     }
-    std::vector<buffer<T>> xs_;  // layer inputs [Q·B, D]; xs_[L] is the last layer's output
-    buffer<T> hn_, logits_, ce_rows_, d_logits_, dhn_;
-    buffer<T> dx_[2];
+    std::vector<buffer<T, Backend>> xs_;  // layer inputs [Q·B, D]; xs_[L] is the last layer's output
+    buffer<T, Backend> hn_, logits_, ce_rows_, d_logits_, dhn_;
+    buffer<T, Backend> dx_[2];
     std::vector<aligned_vector<T>> usage_;  // most-used: per memory slot, the last forward's usage
-    buffer<T> usage_all_;
+    buffer<T, Backend> usage_all_;
 };
 
 }  // namespace mnemo

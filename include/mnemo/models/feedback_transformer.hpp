@@ -97,37 +97,37 @@ struct feedback_options {
 
 /// What a feedback layer saves per step, for any number of steps: rows step·B + b (a whole training
 /// sequence, or one generation step at row 0).
-template <class T>
+template <class T, class Backend = cpu>
 struct feedback_layer_activations {
-    buffer<T> z1, q, ctx, hm, z2;        // [rows, D]: LN_attn(x), queries, attention context, h', LN_ff(h')
-    buffer<T> a;                         // [rows, d_ff]: ReLU output of the first feed-forward linear
-    buffer<T> mean1, rstd1, mean2, rstd2;  // [rows]: the two LayerNorms' statistics
-    buffer<T> attn;                      // attention weights, B·heads·t per step t, steps back to back
+    buffer<T, Backend> z1, q, ctx, hm, z2;        // [rows, D]: LN_attn(x), queries, attention context, h', LN_ff(h')
+    buffer<T, Backend> a;                         // [rows, d_ff]: ReLU output of the first feed-forward linear
+    buffer<T, Backend> mean1, rstd1, mean2, rstd2;  // [rows]: the two LayerNorms' statistics
+    buffer<T, Backend> attn;                      // attention weights, B·heads·t per step t, steps back to back
 };
 
 /// A feedback layer's gradients of one block of steps, read by the deferred weight-gradient GEMMs.
-template <class T>
+template <class T, class Backend = cpu>
 struct feedback_layer_gradients {
-    buffer<T> d_y, d_z2, d_hm, d_q, d_z1;  // [rows, D]: d output, d LN_ff out, d h', d q, d LN_attn out
-    buffer<T> d_a;                         // [rows, d_ff]: d (pre-activation) of the first linear
+    buffer<T, Backend> d_y, d_z2, d_hm, d_q, d_z1;  // [rows, D]: d output, d LN_ff out, d h', d q, d LN_attn out
+    buffer<T, Backend> d_a;                         // [rows, d_ff]: d (pre-activation) of the first linear
 };
 
 /// One layer's parameters and its per-step forward and backward over caller-owned storage.
 template <class T, class Config, class KV, class Backend = cpu>
 class feedback_layer {
-    using K = ops<Backend>;
+    using K = checked_ops<Backend>;
     static constexpr std::size_t DM = Config::d_model;
     [[no_unique_address]] extent_holder<DM> D;  // d_model: a constant for a static config
 
 public:
     using view_d = view<T, DM, Backend>;
     using cview_d = view<const T, DM, Backend>;
-    using acts_type = feedback_layer_activations<T>;
-    using grads_type = feedback_layer_gradients<T>;
+    using acts_type = feedback_layer_activations<T, Backend>;
+    using grads_type = feedback_layer_gradients<T, Backend>;
 
     /// `shape`: d_model and heads of a runtime-shape model (runtime_config); a static config's own
     /// (the default) otherwise.
-    feedback_layer(parameter_set<T>& ps, const std::string& prefix, index_t d_ff, index_t n_pos,
+    feedback_layer(parameter_set<T, Backend>& ps, const std::string& prefix, index_t d_ff, index_t n_pos,
                    const model_shape& shape = config_shape<Config>())
         : D(check_shape<Config>(shape, ("feedback_layer '" + prefix + "'").c_str()).d_model),
           d_ff_(d_ff),
@@ -154,13 +154,13 @@ public:
 
     /// Grows `s` to hold `rows` rows and `attn_elems` attention weights.
     void reserve(acts_type& s, index_t rows, index_t attn_elems) const {
-        for (buffer<T>* b : {&s.z1, &s.q, &s.ctx, &s.hm, &s.z2}) b->ensure(rows * D);
+        for (buffer<T, Backend>* b : {&s.z1, &s.q, &s.ctx, &s.hm, &s.z2}) b->ensure(rows * D);
         s.a.ensure(rows * d_ff_);
-        for (buffer<T>* b : {&s.mean1, &s.rstd1, &s.mean2, &s.rstd2}) b->ensure(rows);
+        for (buffer<T, Backend>* b : {&s.mean1, &s.rstd1, &s.mean2, &s.rstd2}) b->ensure(rows);
         s.attn.ensure(attn_elems);
     }
     void reserve(grads_type& g, index_t rows) const {
-        for (buffer<T>* b : {&g.d_y, &g.d_z2, &g.d_hm, &g.d_q, &g.d_z1}) b->ensure(rows * D);
+        for (buffer<T, Backend>* b : {&g.d_y, &g.d_z2, &g.d_hm, &g.d_q, &g.d_z1}) b->ensure(rows * D);
         g.d_a.ensure(rows * d_ff_);
     }
 
@@ -239,9 +239,9 @@ public:
     const linear<T, DM, DM, Backend>& value() const requires(!KV::shared) { return *value_; }
 
 private:
-    view_d at(buffer<T>& b, index_t r0, index_t rows) const { return view_d(b.data() + r0 * D, rows, D); }
-    cview_d cat(const buffer<T>& b, index_t r0, index_t rows) const { return cview_d(b.data() + r0 * D, rows, D); }
-    static norm_stats<T> stats(const buffer<T>& mean, const buffer<T>& rstd, index_t r0) {
+    view_d at(buffer<T, Backend>& b, index_t r0, index_t rows) const { return view_d(b.data() + r0 * D, rows, D); }
+    cview_d cat(const buffer<T, Backend>& b, index_t r0, index_t rows) const { return cview_d(b.data() + r0 * D, rows, D); }
+    static norm_stats<T> stats(const buffer<T, Backend>& mean, const buffer<T, Backend>& rstd, index_t r0) {
         return {const_cast<T*>(mean.data()) + r0, const_cast<T*>(rstd.data()) + r0};
     }
 
@@ -257,7 +257,7 @@ class feedback_generator;
 
 template <class T, class Config, class KV = per_layer_kv, class Backend = cpu>
 class feedback_transformer {
-    using K = ops<Backend>;
+    using K = checked_ops<Backend>;
     static constexpr std::size_t DM = Config::d_model;
 
 public:
@@ -311,7 +311,7 @@ public:
             value_->reset_parameters(r);
         }
         norm_.reset_parameters();
-        for (index_t l = 0; l <= options_.n_layers; ++l) weights_.value()[l] = T(1);
+        weights_.fill(T(1));
         generator_.reset_parameters(r);
     }
 
@@ -434,8 +434,8 @@ public:
         return feedback_generator<feedback_transformer>(*this, batch);
     }
 
-    parameter_set<T>& parameters() { return params_; }
-    const parameter_set<T>& parameters() const { return params_; }
+    parameter_set<T, Backend>& parameters() { return params_; }
+    const parameter_set<T, Backend>& parameters() const { return params_; }
     /// The options as built (d_model and heads the model's).
     const feedback_options& options() const { return options_; }
     /// d_model and heads: a static config's, or those a runtime-shape model was built with.
@@ -464,9 +464,9 @@ private:
 
     // Activations of a whole sequence (training) or of one step (generation).
     struct activations {
-        std::vector<feedback_layer_activations<T>> layers;  // n_layers
-        std::vector<buffer<T>> y;                           // n_layers + 1: y_0 the embedding, y_l layer l's output
-        buffer<T> mem;                                      // [B, T, D] the memory slots (batch-major)
+        std::vector<feedback_layer_activations<T, Backend>> layers;  // n_layers
+        std::vector<buffer<T, Backend>> y;                           // n_layers + 1: y_0 the embedding, y_l layer l's output
+        buffer<T, Backend> mem;                                      // [B, T, D] the memory slots (batch-major)
     };
 
     static feedback_options check(feedback_options o) {
@@ -599,12 +599,12 @@ private:
     // d_model and heads: compile-time constants for a static config, runtime values for runtime_config.
     [[no_unique_address]] extent_holder<DM> D;
     [[no_unique_address]] extent_holder<Config::heads> H;
-    parameter_set<T> params_;
+    parameter_set<T, Backend> params_;
     embedding<T, DM, Backend> embed_;
     std::vector<layer_type> layers_;
     layer_norm<T, DM, Backend> norm_;
     linear<T, DM, dynamic, Backend> generator_;
-    param<T> weights_;                                   // [L + 1]
+    param<T, Backend> weights_;                                   // [L + 1]
     std::optional<linear<T, DM, DM, Backend>> key_, value_;  // shared_kv only
     std::vector<T> mix_;                                 // softmax(w) [L + 1]
     std::vector<double> mix_grad_;                       // G_l = Σ ⟨y_l, d mem⟩ [L + 1]
@@ -612,11 +612,11 @@ private:
     index_t batch_ = 0, rows_ = 0, steps_ = 0;
     bool has_d_logits_ = false;
     activations acts_;
-    std::vector<feedback_layer_gradients<T>> grads_;      // per layer, one block of steps
-    std::vector<buffer<T>> keys_, values_;               // per projection: [B, T, D] slots (batch-major)
-    std::vector<buffer<T>> d_keys_, d_values_;           // their gradients [B, T, D], accumulated by later steps
+    std::vector<feedback_layer_gradients<T, Backend>> grads_;      // per layer, one block of steps
+    std::vector<buffer<T, Backend>> keys_, values_;               // per projection: [B, T, D] slots (batch-major)
+    std::vector<buffer<T, Backend>> d_keys_, d_values_;           // their gradients [B, T, D], accumulated by later steps
     std::vector<T*> key_ptrs_, value_ptrs_;
-    buffer<T> hn_, logits_, ce_rows_, d_logits_, dhn_, d_final_, d_mem_, d_emb_;
+    buffer<T, Backend> hn_, logits_, ce_rows_, d_logits_, dhn_, d_final_, d_mem_, d_emb_;
 };
 
 /// Token-by-token generation from a cache of keys and values (the Feedback Transformer's strength at
@@ -720,7 +720,7 @@ private:
     typename Model::activations acts_;
     std::vector<aligned_vector<T>> keys_, values_;  // per projection: [B, cap, D] (batch-major)
     std::vector<T*> key_ptrs_, value_ptrs_;
-    buffer<T> hn_, mean_, rstd_, logits_;
+    buffer<T, Backend> hn_, mean_, rstd_, logits_;
 };
 
 /// The original Feedback Transformer and the shared key/value variant.

@@ -242,7 +242,7 @@ struct compression_shape {
 /// `dynamic` (a runtime-shape model): they are then given at construction.
 template <class T, std::size_t D, std::size_t Rate, class Backend = cpu>
 class conv_compression {
-    using K = ops<Backend>;
+    using K = checked_ops<Backend>;
     using C = compression_ops<Backend>;
     using shape = detail::compression_shape;
     static_assert(expect_compression_rate<Rate>::value);
@@ -256,10 +256,10 @@ public:
     static constexpr bool has_parameters = true;
 
     /// Declares `<name>.conv.weight` [D, D, Rate] and `<name>.conv.bias` [D].
-    conv_compression(parameter_set<T>& ps, const std::string& name) requires(D != dynamic && Rate != dynamic)
+    conv_compression(parameter_set<T, Backend>& ps, const std::string& name) requires(D != dynamic && Rate != dynamic)
         : conv_compression(ps, name, static_cast<index_t>(D), static_cast<index_t>(Rate)) {}
     /// Runtime extents (each must equal the static one where that is fixed).
-    conv_compression(parameter_set<T>& ps, const std::string& name, index_t d, index_t rate)
+    conv_compression(parameter_set<T, Backend>& ps, const std::string& name, index_t d, index_t rate)
         : d_(d), c_(rate), name_(name), who_(shape::who("conv_compression", name)) {
         shape::check_extents<D, Rate>(who_, d, rate);
         weight_ = ps.declare(name + ".conv.weight", {d_, d_, c_});
@@ -269,8 +269,8 @@ public:
     /// PyTorch's Conv1d default: W, b ~ U(−1/√(D·Rate), 1/√(D·Rate)) (fan_in = in_channels · kernel).
     void reset_parameters(rng& r) const {
         const double bound = 1.0 / std::sqrt(static_cast<double>(k()));
-        for (index_t i = 0; i < weight_.size(); ++i) weight_.value()[i] = static_cast<T>(r.uniform(-bound, bound));
-        for (index_t i = 0; i < bias_.size(); ++i) bias_.value()[i] = static_cast<T>(r.uniform(-bound, bound));
+        weight_.generate([&] { return r.uniform(-bound, bound); });
+        bias_.generate([&] { return r.uniform(-bound, bound); });
     }
 
     /// Rows of the compressed memory for `mem_rows` memory rows (checked: a multiple of Rate·batch).
@@ -318,15 +318,15 @@ public:
     }
 
     const std::string& name() const { return name_; }
-    const param<T>& weight() const { return weight_; }
-    const param<T>& bias() const { return bias_; }
+    const param<T, Backend>& weight() const { return weight_; }
+    const param<T, Backend>& bias() const { return bias_; }
 
 private:
     std::string name_, who_;
-    param<T> weight_;  // [D, D, Rate], read as [D, D·Rate] with column i·Rate + t
-    param<T> bias_;    // [D]
-    buffer<T> x_;      // X  [n·batch, D·Rate], kept by forward
-    buffer<T> dx_;     // dX [n·batch, D·Rate], backward scratch
+    param<T, Backend> weight_;  // [D, D, Rate], read as [D, D·Rate] with column i·Rate + t
+    param<T, Backend> bias_;    // [D]
+    buffer<T, Backend> x_;      // X  [n·batch, D·Rate], kept by forward
+    buffer<T, Backend> dx_;     // dX [n·batch, D·Rate], backward scratch
     index_t saved_rows_ = -1, saved_batch_ = 0;
 };
 
@@ -349,10 +349,10 @@ public:
     static constexpr bool has_parameters = false;
 
     /// Declares nothing; `name` is kept for messages.
-    max_pool_compression(parameter_set<T>& ps, const std::string& name) requires(D != dynamic && Rate != dynamic)
+    max_pool_compression(parameter_set<T, Backend>& ps, const std::string& name) requires(D != dynamic && Rate != dynamic)
         : max_pool_compression(ps, name, static_cast<index_t>(D), static_cast<index_t>(Rate)) {}
     /// Runtime extents (each must equal the static one where that is fixed).
-    max_pool_compression(parameter_set<T>&, const std::string& name, index_t d, index_t rate)
+    max_pool_compression(parameter_set<T, Backend>&, const std::string& name, index_t d, index_t rate)
         : d_(d), c_(rate), name_(name), who_(shape::who("max_pool_compression", name)) {
         shape::check_extents<D, Rate>(who_, d, rate);
     }
@@ -417,10 +417,10 @@ public:
     static constexpr bool has_parameters = false;
 
     /// Declares nothing; `name` is kept for messages.
-    mean_pool_compression(parameter_set<T>& ps, const std::string& name) requires(D != dynamic && Rate != dynamic)
+    mean_pool_compression(parameter_set<T, Backend>& ps, const std::string& name) requires(D != dynamic && Rate != dynamic)
         : mean_pool_compression(ps, name, static_cast<index_t>(D), static_cast<index_t>(Rate)) {}
     /// Runtime extents (each must equal the static one where that is fixed).
-    mean_pool_compression(parameter_set<T>&, const std::string& name, index_t d, index_t rate)
+    mean_pool_compression(parameter_set<T, Backend>&, const std::string& name, index_t d, index_t rate)
         : d_(d), c_(rate), name_(name), who_(shape::who("mean_pool_compression", name)) {
         shape::check_extents<D, Rate>(who_, d, rate);
     }

@@ -191,7 +191,7 @@ class dilated_conv_compression {
     static_assert(Rate == dynamic || (Rate >= 2 && (Rate & (Rate - 1)) == 0),
                   "mnemo: dilated_conv_compression needs a compression rate that is a power of two >= 2 (it is a "
                   "stack of log2(Rate) convolutions of kernel 2 and stride 2)");
-    using K = ops<Backend>;
+    using K = checked_ops<Backend>;
     using C = compression_ops<Backend>;
     using shape = detail::compression_shape;
     [[no_unique_address]] extent_holder<D> d_;
@@ -200,8 +200,8 @@ class dilated_conv_compression {
     // Layer count, log2(Rate): a constant for a static rate.
     [[no_unique_address]] extent_holder<Rate == dynamic ? dynamic : detail::dilated_layer_count(Rate)> n_layers_;
     // Parameters per layer: a fixed array for a static rate, a vector for a runtime one.
-    using param_list = std::conditional_t<Rate == dynamic, std::vector<param<T>>,
-                                          std::array<param<T>, Rate == dynamic ? 1 : detail::dilated_layer_count(Rate)>>;
+    using param_list = std::conditional_t<Rate == dynamic, std::vector<param<T, Backend>>,
+                                          std::array<param<T, Backend>, Rate == dynamic ? 1 : detail::dilated_layer_count(Rate)>>;
 
 public:
     static constexpr std::size_t rate = Rate;
@@ -212,10 +212,10 @@ public:
     static constexpr std::size_t layers = Rate == dynamic ? dynamic : detail::dilated_layer_count(Rate);
 
     /// Declares `<name>.convs.<k>.weight` [D, D, 2] and `<name>.convs.<k>.bias` [D] for k = 0 … layers − 1.
-    dilated_conv_compression(parameter_set<T>& ps, const std::string& name) requires(D != dynamic && Rate != dynamic)
+    dilated_conv_compression(parameter_set<T, Backend>& ps, const std::string& name) requires(D != dynamic && Rate != dynamic)
         : dilated_conv_compression(ps, name, static_cast<index_t>(D), static_cast<index_t>(Rate)) {}
     /// Runtime extents (each must equal the static one where that is fixed; the rate a power of two >= 2).
-    dilated_conv_compression(parameter_set<T>& ps, const std::string& name, index_t d, index_t rate)
+    dilated_conv_compression(parameter_set<T, Backend>& ps, const std::string& name, index_t d, index_t rate)
         : d_(d), c_(rate), k_(2 * d), n_layers_(index_t(detail::dilated_layer_count(std::size_t(rate > 0 ? rate : 1)))),
           name_(name), who_(shape::who("dilated_conv_compression", name)) {
         shape::check_extents<D, Rate>(who_, d, rate);
@@ -240,10 +240,10 @@ public:
     void reset_parameters(rng& r) const {
         const double bound = 1.0 / std::sqrt(static_cast<double>(k_));
         for (index_t k = 0; k < n_layers_; ++k) {
-            const param<T>& w = weight_[std::size_t(k)];
-            const param<T>& b = bias_[std::size_t(k)];
-            for (index_t i = 0; i < w.size(); ++i) w.value()[i] = static_cast<T>(r.uniform(-bound, bound));
-            for (index_t i = 0; i < b.size(); ++i) b.value()[i] = static_cast<T>(r.uniform(-bound, bound));
+            const param<T, Backend>& w = weight_[std::size_t(k)];
+            const param<T, Backend>& b = bias_[std::size_t(k)];
+            w.generate([&] { return r.uniform(-bound, bound); });
+            b.generate([&] { return r.uniform(-bound, bound); });
         }
     }
 
@@ -305,7 +305,7 @@ public:
         for (index_t k = n_layers_ - 1; k >= 0; --k) {
             const index_t rows = mem_rows >> (k + 1);
             const T* xk = x + x_offset(mem_rows, k);
-            const param<T>& w = weight_[std::size_t(k)];
+            const param<T, Backend>& w = weight_[std::size_t(k)];
             K::gemm_tn(d_, k_, rows, g, ldg, xk, k_, w.grad(), k_, T(1));
             K::sum_rows_accumulate(rows, d_, g, ldg, bias_[std::size_t(k)].grad());
             if (k == 0 && !want_dmem) break;
@@ -324,8 +324,8 @@ public:
 
     const std::string& name() const { return name_; }
     /// Layer k's weight [D, D, 2] and bias [D], k < layers.
-    const param<T>& weight(index_t k) const { return weight_[std::size_t(checked_layer(k))]; }
-    const param<T>& bias(index_t k) const { return bias_[std::size_t(checked_layer(k))]; }
+    const param<T, Backend>& weight(index_t k) const { return weight_[std::size_t(checked_layer(k))]; }
+    const param<T, Backend>& bias(index_t k) const { return bias_[std::size_t(checked_layer(k))]; }
 
 private:
     index_t checked_layer(index_t k) const {
@@ -350,9 +350,9 @@ private:
     std::string name_, who_;
     param_list weight_;  // [D, D, 2] each, read as [D, 2D] with column i·2 + t
     param_list bias_;    // [D] each
-    buffer<T> x_;        // X_0 … X_(L−1), kept by forward
-    buffer<T> h_;        // h_1 … h_(L−1) (after ReLU), kept by forward
-    buffer<T> dx_, dh_;  // backward scratch
+    buffer<T, Backend> x_;        // X_0 … X_(L−1), kept by forward
+    buffer<T, Backend> h_;        // h_1 … h_(L−1) (after ReLU), kept by forward
+    buffer<T, Backend> dx_, dh_;  // backward scratch
     index_t saved_rows_ = -1, saved_batch_ = 0;
 };
 
@@ -374,10 +374,10 @@ public:
     static constexpr bool needs_usage = true;
 
     /// Declares nothing; `name` is kept for messages.
-    most_used_compression(parameter_set<T>& ps, const std::string& name) requires(D != dynamic && Rate != dynamic)
+    most_used_compression(parameter_set<T, Backend>& ps, const std::string& name) requires(D != dynamic && Rate != dynamic)
         : most_used_compression(ps, name, static_cast<index_t>(D), static_cast<index_t>(Rate)) {}
     /// Runtime extents (each must equal the static one where that is fixed).
-    most_used_compression(parameter_set<T>&, const std::string& name, index_t d, index_t rate)
+    most_used_compression(parameter_set<T, Backend>&, const std::string& name, index_t d, index_t rate)
         : d_(d), c_(rate), name_(name), who_(shape::who("most_used_compression", name)) {
         shape::check_extents<D, Rate>(who_, d, rate);
     }
@@ -442,7 +442,7 @@ public:
 
 private:
     std::string name_, who_;
-    buffer<T> usage_;      // [usage_rows_], copied by set_usage
+    buffer<T, Backend> usage_;      // [usage_rows_], copied by set_usage
     buffer<arg_t> arg_;    // [n·batch]: window position chosen per output row, kept by forward
     index_t usage_rows_ = -1;
     index_t saved_rows_ = -1, saved_batch_ = 0;

@@ -17,16 +17,16 @@ using token_t = std::int32_t;
 /// D may be `dynamic` (a runtime-shape model): it is then given at construction.
 template <class T, std::size_t D, class Backend = cpu>
 class embedding {
-    using K = ops<Backend>;
+    using K = checked_ops<Backend>;
     [[no_unique_address]] extent_holder<D> d_;
 
 public:
     static constexpr std::size_t features = D;
 
-    embedding(parameter_set<T>& ps, const std::string& name, index_t vocab) requires(D != dynamic)
+    embedding(parameter_set<T, Backend>& ps, const std::string& name, index_t vocab) requires(D != dynamic)
         : embedding(ps, name, vocab, static_cast<index_t>(D)) {}
     /// Runtime extent (must equal D when that is static).
-    embedding(parameter_set<T>& ps, const std::string& name, index_t vocab, index_t d)
+    embedding(parameter_set<T, Backend>& ps, const std::string& name, index_t vocab, index_t d)
         : d_(d), name_(name), vocab_(vocab) {
         check_extent<D>(d, ("embedding '" + name + "'").c_str(), "d_model");
         MNEMO_CHECK(vocab > 0, "embedding '", name, "': vocabulary size must be positive, got ", vocab);
@@ -35,7 +35,7 @@ public:
 
     /// PyTorch's default: W ~ N(0, 1).
     void reset_parameters(rng& r) const {
-        for (index_t i = 0; i < weight_.size(); ++i) weight_.value()[i] = static_cast<T>(r.normal());
+        weight_.generate([&] { return r.normal(); });
     }
 
     /// y[rows, D] = W[tokens]. A token outside [0, vocab) is an error naming it and its position.
@@ -63,12 +63,12 @@ public:
     }
 
     index_t vocab() const { return vocab_; }
-    const param<T>& weight() const { return weight_; }
+    const param<T, Backend>& weight() const { return weight_; }
 
 private:
     std::string name_;
     index_t vocab_;
-    param<T> weight_;  // [vocab, D]
+    param<T, Backend> weight_;  // [vocab, D]
 };
 
 }  // namespace mnemo

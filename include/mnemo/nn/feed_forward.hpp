@@ -15,15 +15,15 @@ namespace mnemo {
 
 template <class T, std::size_t D, std::size_t Dff, class Act = relu, class Backend = cpu>
 class feed_forward {
-    using K = ops<Backend>;
+    using K = checked_ops<Backend>;
 
 public:
-    feed_forward(parameter_set<T>& ps, const std::string& name) requires(Dff != dynamic && D != dynamic)
+    feed_forward(parameter_set<T, Backend>& ps, const std::string& name) requires(Dff != dynamic && D != dynamic)
         : feed_forward(ps, name, static_cast<index_t>(Dff)) {}
-    feed_forward(parameter_set<T>& ps, const std::string& name, index_t d_ff) requires(D != dynamic)
+    feed_forward(parameter_set<T, Backend>& ps, const std::string& name, index_t d_ff) requires(D != dynamic)
         : feed_forward(ps, name, static_cast<index_t>(D), d_ff) {}
     /// d_model given too (D `dynamic`: a runtime-shape model; else it must equal D).
-    feed_forward(parameter_set<T>& ps, const std::string& name, index_t d_model, index_t d_ff)
+    feed_forward(parameter_set<T, Backend>& ps, const std::string& name, index_t d_model, index_t d_ff)
         : d_ff_(d_ff),
           layer1_(ps, name + ".layer1", d_model, d_ff, true),
           layer2_(ps, name + ".layer2", d_ff, d_model, true) {}
@@ -68,7 +68,7 @@ private:
     index_t d_ff_;
     linear<T, D, Dff, Backend> layer1_;
     linear<T, Dff, D, Backend> layer2_;
-    buffer<T> hidden_, act_, grad_;  // h, a, and dL/da then dL/dh: [rows, Dff] each
+    buffer<T, Backend> hidden_, act_, grad_;  // h, a, and dL/da then dL/dh: [rows, Dff] each
     index_t rows_ = 0;
 };
 

@@ -73,7 +73,7 @@ struct feedback_attention_cache {
 
 template <class T, class Config, class Backend = cpu>
 class feedback_attention {
-    using K = ops<Backend>;
+    using K = checked_ops<Backend>;
 
 public:
     static constexpr std::size_t d_model = Config::d_model;  // `dynamic` for runtime_config, as heads and d_head
@@ -92,7 +92,7 @@ private:
 public:
     /// `shape`: d_model and heads of a runtime-shape model (runtime_config); a static config's own
     /// (the default) otherwise.
-    feedback_attention(parameter_set<T>& ps, const std::string& name, index_t n_pos = default_n_pos,
+    feedback_attention(parameter_set<T, Backend>& ps, const std::string& name, index_t n_pos = default_n_pos,
                        const model_shape& shape = config_shape<Config>())
         : D(check_shape<Config>(shape, ("feedback_attention '" + name + "'").c_str()).d_model),
           H(shape.heads),
@@ -114,8 +114,8 @@ public:
     void reset_parameters(rng& r) const {
         query_.reset_parameters(r);
         output_.reset_parameters(r);
-        for (const param<T>* p : {&r_, &s_, &u_})
-            for (index_t i = 0; i < p->size(); ++i) p->value()[i] = T(0);
+        for (const param<T, Backend>* p : {&r_, &s_, &u_})
+            p->fill(T(0));
     }
 
     /// Number of attention weights one step saves: batch · heads · t.
@@ -237,9 +237,9 @@ public:
     const std::string& name() const { return name_; }
     const linear<T, d_model, d_model, Backend>& query() const { return query_; }
     const linear<T, d_model, d_model, Backend>& output() const { return output_; }
-    const param<T>& key_pos_embeddings() const { return r_; }
-    const param<T>& key_pos_bias() const { return s_; }
-    const param<T>& query_pos_bias() const { return u_; }
+    const param<T, Backend>& key_pos_embeddings() const { return r_; }
+    const param<T, Backend>& key_pos_bias() const { return s_; }
+    const param<T, Backend>& query_pos_bias() const { return u_; }
 
 private:
     // One head's d_k features: the per-(batch row, head) loops are too short for a GEMM call to pay
@@ -281,9 +281,9 @@ private:
     std::string name_;
     index_t n_pos_;
     linear<T, d_model, d_model, Backend> query_, output_;
-    param<T> r_, s_, u_;
+    param<T, Backend> r_, s_, u_;
     // Scratch: q + u [B, D]; backward's d_ctx, d(q + u) [B, D], d scores [B, H, t]; backward()'s d_q.
-    buffer<T> qu_, d_ctx_, d_qu_, d_scores_, d_q_;
+    buffer<T, Backend> qu_, d_ctx_, d_qu_, d_scores_, d_q_;
 };
 
 }  // namespace mnemo

@@ -130,7 +130,7 @@ struct gru_ops<cpu> : cpu_kernels::gru_pointwise {};
 /// `dynamic` (a runtime-shape model): it is then given at construction.
 template <class T, std::size_t D, class Backend = cpu>
 class gru_gate {
-    using K = ops<Backend>;
+    using K = checked_ops<Backend>;
     using G = gru_ops<Backend>;
     [[no_unique_address]] extent_holder<D> d_;
     [[no_unique_address]] extent_holder<D == dynamic ? dynamic : 3 * D> d3_;
@@ -140,10 +140,10 @@ public:
 
     /// Declares `<name>.weight_ih` [3D, D], `<name>.weight_hh` [3D, D], `<name>.bias_ih` [3D],
     /// `<name>.bias_hh` [3D] (torch.nn.GRUCell's state_dict under `<name>`).
-    gru_gate(parameter_set<T>& ps, const std::string& name) requires(D != dynamic)
+    gru_gate(parameter_set<T, Backend>& ps, const std::string& name) requires(D != dynamic)
         : gru_gate(ps, name, static_cast<index_t>(D)) {}
     /// Runtime extent (must equal D when that is static).
-    gru_gate(parameter_set<T>& ps, const std::string& name, index_t d) : d_(d), d3_(3 * d) {
+    gru_gate(parameter_set<T, Backend>& ps, const std::string& name, index_t d) : d_(d), d3_(3 * d) {
         check_extent<D>(d, ("gru_gate '" + name + "'").c_str(), "d_model");
         weight_ih_ = ps.declare(name + ".weight_ih", {d3_, d_});
         weight_hh_ = ps.declare(name + ".weight_hh", {d3_, d_});
@@ -155,8 +155,8 @@ public:
     /// bias_ih, bias_hh.
     void reset_parameters(rng& r) const {
         const double bound = 1.0 / std::sqrt(static_cast<double>(d_));
-        for (const param<T>* p : {&weight_ih_, &weight_hh_, &bias_ih_, &bias_hh_})
-            for (index_t i = 0; i < p->size(); ++i) p->value()[i] = static_cast<T>(r.uniform(-bound, bound));
+        for (const param<T, Backend>* p : {&weight_ih_, &weight_hh_, &bias_ih_, &bias_hh_})
+            p->generate([&] { return r.uniform(-bound, bound); });
     }
 
     /// out [rows, D] = GRUCell(input y, hidden x), x and y [rows, D]. out may share x's or y's memory.
@@ -220,19 +220,19 @@ public:
                        accumulate_dy ? T(1) : T(0));
     }
 
-    const param<T>& weight_ih() const { return weight_ih_; }
-    const param<T>& weight_hh() const { return weight_hh_; }
-    const param<T>& bias_ih() const { return bias_ih_; }
-    const param<T>& bias_hh() const { return bias_hh_; }
+    const param<T, Backend>& weight_ih() const { return weight_ih_; }
+    const param<T, Backend>& weight_hh() const { return weight_hh_; }
+    const param<T, Backend>& bias_ih() const { return bias_ih_; }
+    const param<T, Backend>& bias_hh() const { return bias_hh_; }
 
 private:
-    param<T> weight_ih_;  // [3D, D], rows r | z | n
-    param<T> weight_hh_;  // [3D, D]
-    param<T> bias_ih_;    // [3D]
-    param<T> bias_hh_;    // [3D]
-    buffer<T> x_, y_;     // [rows, D]: copies of the inputs
-    buffer<T> gi_, gh_;   // [rows, 3D]: r | z | n, and hn in gh's n columns
-    buffer<T> dgi_, dgh_; // [rows, 3D]: pre-activation gradients
+    param<T, Backend> weight_ih_;  // [3D, D], rows r | z | n
+    param<T, Backend> weight_hh_;  // [3D, D]
+    param<T, Backend> bias_ih_;    // [3D]
+    param<T, Backend> bias_hh_;    // [3D]
+    buffer<T, Backend> x_, y_;     // [rows, D]: copies of the inputs
+    buffer<T, Backend> gi_, gh_;   // [rows, 3D]: r | z | n, and hn in gh's n columns
+    buffer<T, Backend> dgi_, dgh_; // [rows, 3D]: pre-activation gradients
     index_t saved_rows_ = -1;
 };
 

@@ -25,16 +25,16 @@ struct norm_stats {
 /// D may be `dynamic` (a runtime-shape model): it is then given at construction.
 template <class T, std::size_t D, class Backend = cpu>
 class layer_norm {
-    using K = ops<Backend>;
+    using K = checked_ops<Backend>;
     [[no_unique_address]] extent_holder<D> d_;
 
 public:
     static constexpr std::size_t features = D;
 
-    layer_norm(parameter_set<T>& ps, const std::string& name, T eps = T(1e-5)) requires(D != dynamic)
+    layer_norm(parameter_set<T, Backend>& ps, const std::string& name, T eps = T(1e-5)) requires(D != dynamic)
         : layer_norm(ps, name, static_cast<index_t>(D), eps) {}
     /// Runtime extent (must equal D when that is static).
-    layer_norm(parameter_set<T>& ps, const std::string& name, index_t d, T eps) : d_(d), eps_(eps) {
+    layer_norm(parameter_set<T, Backend>& ps, const std::string& name, index_t d, T eps) : d_(d), eps_(eps) {
         check_extent<D>(d, ("layer_norm '" + name + "'").c_str(), "d_model");
         MNEMO_CHECK(eps > T(0), "layer_norm '", name, "': eps must be positive, got ", eps);
         weight_ = ps.declare(name + ".weight", {d_});
@@ -43,10 +43,8 @@ public:
 
     /// PyTorch's default: w = 1, b = 0.
     void reset_parameters() const {
-        for (index_t i = 0; i < d_; ++i) {
-            weight_.value()[i] = T(1);
-            bias_.value()[i] = T(0);
-        }
+        weight_.fill(T(1));
+        bias_.fill(T(0));
     }
 
     /// y = LN(x), statistics saved in `stats` (each [rows]).
@@ -130,8 +128,8 @@ public:
     }
 
     T eps() const { return eps_; }
-    const param<T>& weight() const { return weight_; }
-    const param<T>& bias() const { return bias_; }
+    const param<T, Backend>& weight() const { return weight_; }
+    const param<T, Backend>& bias() const { return bias_; }
 
 private:
     /// A view of runtime features (a runtime-shape model's) must have d_model of them; a static view's
@@ -142,9 +140,9 @@ private:
     }
 
     T eps_;
-    param<T> weight_;  // [D]
-    param<T> bias_;    // [D]
-    buffer<T> mean_, rstd_;
+    param<T, Backend> weight_;  // [D]
+    param<T, Backend> bias_;    // [D]
+    buffer<T, Backend> mean_, rstd_;
     index_t saved_rows_ = 0;
 };
 

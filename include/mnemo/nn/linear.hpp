@@ -7,7 +7,6 @@
 #include <cmath>
 #include <string>
 
-#include "../core/parallel.hpp"
 #include "../core/rng.hpp"
 #include "module.hpp"
 
@@ -15,19 +14,19 @@ namespace mnemo {
 
 template <class T, std::size_t In, std::size_t Out, class Backend = cpu>
 class linear {
-    using K = ops<Backend>;
+    using K = checked_ops<Backend>;
 
 public:
     static constexpr std::size_t in_features = In;
     static constexpr std::size_t out_features = Out;
 
     /// Static extents.
-    linear(parameter_set<T>& ps, const std::string& name, bool bias = true)
+    linear(parameter_set<T, Backend>& ps, const std::string& name, bool bias = true)
         requires(In != dynamic && Out != dynamic)
         : linear(ps, name, static_cast<index_t>(In), static_cast<index_t>(Out), bias) {}
 
     /// Runtime extents (each must equal the static one where that is fixed).
-    linear(parameter_set<T>& ps, const std::string& name, index_t in, index_t out, bool bias)
+    linear(parameter_set<T, Backend>& ps, const std::string& name, index_t in, index_t out, bool bias)
         : in_(in), out_(out) {
         MNEMO_CHECK(In == dynamic || in == static_cast<index_t>(In), "linear '", name, "': in_features ", in,
                     " given for a layer of static In ", In);
@@ -41,9 +40,9 @@ public:
     /// PyTorch's default: W, b ~ U(−1/√In, 1/√In).
     void reset_parameters(rng& r) const {
         const double bound = 1.0 / std::sqrt(static_cast<double>(in_));
-        for (index_t i = 0; i < weight_.size(); ++i) weight_.value()[i] = static_cast<T>(r.uniform(-bound, bound));
+        weight_.generate([&] { return r.uniform(-bound, bound); });
         if (bias_)
-            for (index_t i = 0; i < bias_.size(); ++i) bias_.value()[i] = static_cast<T>(r.uniform(-bound, bound));
+            bias_.generate([&] { return r.uniform(-bound, bound); });
     }
 
     /// y[rows, Out] = x[rows, In]·Wᵀ + b
@@ -64,19 +63,10 @@ public:
         static_assert(check_view<In, DX, axis::in_features, Backend>());
         check_shapes(x, dy, "x", "dy");
         if (dx.data()) check_shapes(dx, dy, "dx", "dy");
-        // The parameters' pointers first: reading them may settle deferred optimizer work, which
-        // must not happen on two threads at once.
-        T* gw = weight_.grad();
+        // The parameters' pointers first (reading them may settle deferred optimizer work).
         T* gb = bias_ ? bias_.grad() : nullptr;
-        const T* w = dx.data() ? weight_.value() : nullptr;
-        auto weight_grads = [&] {
-            K::gemm_tn(out_, in_, x.rows(), dy.data(), dy.ld(), x.data(), x.ld(), gw, in_, T(1));
-            if (gb) K::sum_rows_accumulate(dy.rows(), out_, dy.data(), dy.ld(), gb);
-        };
-        auto input_grad = [&] {
-            if (w) K::gemm_nn(dy.rows(), in_, out_, dy.data(), dy.ld(), w, in_, dx.data(), dx.ld(), accumulate_dx ? T(1) : T(0));
-        };
-        parallel_invoke(w && K::concurrent_pair(dy.rows(), in_, out_), weight_grads, input_grad);
+        K::linear_backward(x.rows(), in_, out_, x.data(), x.ld(), dy.data(), dy.ld(), dx.data() ? weight_.value() : nullptr,
+                           weight_.grad(), gb, dx.data(), dx.ld(), accumulate_dx);
     }
 
     /// dx = dy·W only (or += when accumulate_dx): the parameters are read as constants and receive
@@ -92,8 +82,8 @@ public:
 
     index_t in() const { return in_; }
     index_t out() const { return out_; }
-    const param<T>& weight() const { return weight_; }
-    const param<T>& bias() const { return bias_; }
+    const param<T, Backend>& weight() const { return weight_; }
+    const param<T, Backend>& bias() const { return bias_; }
 
 private:
     template <class A, class B>
@@ -104,8 +94,8 @@ private:
     }
 
     index_t in_, out_;
-    param<T> weight_;  // [Out, In]
-    param<T> bias_;    // [Out], empty without bias
+    param<T, Backend> weight_;  // [Out, In]
+    param<T, Backend> bias_;    // [Out], empty without bias
 };
 
 }  // namespace mnemo

@@ -14,6 +14,7 @@
 #include "../core/shape.hpp"
 #include "../core/view.hpp"
 #include "../kernels/cpu/ops.hpp"  // the CPU kernels; other backends add their ops<> specialisation
+#include "../kernels/kernel_table.hpp"
 
 namespace mnemo {
 

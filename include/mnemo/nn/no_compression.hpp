@@ -14,9 +14,9 @@ public:
     static constexpr std::size_t rate = Rate;
     static constexpr bool has_parameters = false;
 
-    no_compression(parameter_set<T>&, const std::string& name) : name_(name) {}
+    no_compression(parameter_set<T, Backend>&, const std::string& name) : name_(name) {}
     /// The constructor of the other compression functions (extents unused; D and Rate may be `dynamic`).
-    no_compression(parameter_set<T>&, const std::string& name, index_t, index_t rate)
+    no_compression(parameter_set<T, Backend>&, const std::string& name, index_t, index_t rate)
         : name_(name), rate_(rate > 0 ? rate : 1) {}
     void reset_parameters(rng&) const {}
 

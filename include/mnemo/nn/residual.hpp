@@ -9,7 +9,7 @@ namespace mnemo {
 /// D may be `dynamic` (a runtime-shape model): the width is then the views' own (checked to agree).
 template <class T, std::size_t D, class Backend = cpu>
 struct residual {
-    using K = ops<Backend>;
+    using K = checked_ops<Backend>;
 
     /// The features of v: D, or v's own for a runtime D.
     template <class V>

@@ -37,7 +37,7 @@ namespace mnemo {
 
 template <class T, class Config, class Backend = cpu>
 class attention_reconstruction {
-    using K = ops<Backend>;
+    using K = checked_ops<Backend>;
     static constexpr std::size_t DM = Config::d_model;
     // d_model, heads, d_head: compile-time constants for a static config, runtime values for runtime_config.
     [[no_unique_address]] extent_holder<Config::d_model> D;
@@ -239,9 +239,9 @@ private:
         else K::head_gemm_tn(index_t(Dk), a...);
     }
 
-    buffer<T> cm_, hn_, mn_, cn_, q_, km_, vm_, kc_, vc_, out_m_, out_c_, a_m_, a_c_, diff_;
-    buffer<T> st_c_, st_c_r_;
-    buffer<T> dkc_, dvc_, dcn_, dcm_, da_;
+    buffer<T, Backend> cm_, hn_, mn_, cn_, q_, km_, vm_, kc_, vc_, out_m_, out_c_, a_m_, a_c_, diff_;
+    buffer<T, Backend> st_c_, st_c_r_;
+    buffer<T, Backend> dkc_, dvc_, dcn_, dcm_, da_;
     buffer<std::uint8_t> keep_m_, keep_c_;
     std::vector<std::uint8_t> any_m_, any_c_;
 };

@@ -49,7 +49,7 @@ namespace mnemo {
 /// D and Rate may be `dynamic` (a runtime-shape model): they are then given at construction.
 template <class T, std::size_t D, std::size_t Rate, class Backend = cpu>
 class conv_transpose_decoder {
-    using K = ops<Backend>;
+    using K = checked_ops<Backend>;
     using C = compression_ops<Backend>;
     static_assert(expect_compression_rate<Rate>::value);
     [[no_unique_address]] extent_holder<D> d_;
@@ -62,10 +62,10 @@ public:
     static constexpr std::size_t features = D;
 
     /// Declares `<prefix>.weight` [D, D, Rate] ([in, out, kernel]) and `<prefix>.bias` [D].
-    conv_transpose_decoder(parameter_set<T>& ps, const std::string& prefix) requires(D != dynamic && Rate != dynamic)
+    conv_transpose_decoder(parameter_set<T, Backend>& ps, const std::string& prefix) requires(D != dynamic && Rate != dynamic)
         : conv_transpose_decoder(ps, prefix, static_cast<index_t>(D), static_cast<index_t>(Rate)) {}
     /// Runtime extents (each must equal the static one where that is fixed).
-    conv_transpose_decoder(parameter_set<T>& ps, const std::string& prefix, index_t d, index_t rate)
+    conv_transpose_decoder(parameter_set<T, Backend>& ps, const std::string& prefix, index_t d, index_t rate)
         : d_(d), c_(rate), k_(d * rate), name_(prefix), who_("conv_transpose_decoder '" + prefix + "'") {
         detail::compression_shape::check_extents<D, Rate>(who_, d, rate);
         weight_ = ps.declare(prefix + ".weight", {d_, d_, c_});
@@ -115,8 +115,8 @@ public:
     }
 
     const std::string& name() const { return name_; }
-    const param<T>& weight() const { return weight_; }
-    const param<T>& bias() const { return bias_; }
+    const param<T, Backend>& weight() const { return weight_; }
+    const param<T, Backend>& bias() const { return bias_; }
 
 private:
     // cm [n·batch, D] and the decoded side [n·Rate·batch, D]; returns n·batch.
@@ -133,10 +133,10 @@ private:
     }
 
     std::string name_, who_;
-    param<T> weight_;  // [D, D, Rate] = [in, out, kernel], read as [D, D·Rate] with column o·Rate + t
-    param<T> bias_;    // [D]
-    buffer<T> y_;      // Y  [n·batch, D·Rate], forward scratch
-    buffer<T> dy_;     // dY [n·batch, D·Rate], backward scratch
+    param<T, Backend> weight_;  // [D, D, Rate] = [in, out, kernel], read as [D, D·Rate] with column o·Rate + t
+    param<T, Backend> bias_;    // [D]
+    buffer<T, Backend> y_;      // Y  [n·batch, D·Rate], forward scratch
+    buffer<T, Backend> dy_;     // dY [n·batch, D·Rate], backward scratch
 };
 
 /// The auto-encoding loss of one layer: mean((g(f_c(m)) − m)²), gradients into f_c and g only.
@@ -201,7 +201,7 @@ public:
     }
 
 private:
-    buffer<T> cm_, y_, dcm_;  // f_c(m) [n·batch, D], g(cm) then its gradient [n·Rate·batch, D], d cm
+    buffer<T, Backend> cm_, y_, dcm_;  // f_c(m) [n·batch, D], g(cm) then its gradient [n·Rate·batch, D], d cm
 };
 
 }  // namespace mnemo

@@ -9,6 +9,8 @@
 #include "gemm.hpp"
 #include "head_products.hpp"
 #include "layer_norm.hpp"
+#include "linear_layer.hpp"
+#include "relative_attention.hpp"
 #include "softmax.hpp"
 
 namespace mnemo {
@@ -18,6 +20,8 @@ struct ops<cpu> : cpu_kernels::gemm,
                   cpu_kernels::head_products,
                   cpu_kernels::softmax,
                   cpu_kernels::layer_norm,
+                  cpu_kernels::linear_layer,
+                  cpu_kernels::relative_attention_core,
                   cpu_kernels::activation,
                   cpu_kernels::cross_entropy,
                   cpu_kernels::dropout,

@@ -1,0 +1,30 @@
+#pragma once
+// The backward of a linear layer y = x·Wᵀ + b as one kernel, so the choice of running its two
+// independent halves side by side is the kernel's, not the module's.
+#include "../../core/parallel.hpp"
+#include "../../core/shape.hpp"
+#include "elementwise.hpp"
+#include "gemm.hpp"
+
+namespace mnemo::cpu_kernels {
+
+struct linear_layer {
+    /// gw [out, in] += dyᵀ·x and gb [out] += Σ rows dy (gb null: no bias); dx [rows, in] = dy·W, or
+    /// += with accumulate_dx (dx null: not wanted, W not read). W is [out, in] with row stride in.
+    /// The weight gradient and dx are independent: at mid sizes (gemm::concurrent_pair) they run at the
+    /// same time, one per thread; each is the same computation either way.
+    template <class T>
+    static void linear_backward(index_t rows, index_t in, index_t out, const T* x, index_t ldx, const T* dy,
+                                index_t lddy, const T* w, T* gw, T* gb, T* dx, index_t lddx, bool accumulate_dx) {
+        auto weight_grads = [&] {
+            gemm::gemm_tn(out, in, rows, dy, lddy, x, ldx, gw, in, T(1));
+            if (gb) elementwise::sum_rows_accumulate(rows, out, dy, lddy, gb);
+        };
+        auto input_grad = [&] {
+            if (dx) gemm::gemm_nn(rows, in, out, dy, lddy, w, in, dx, lddx, accumulate_dx ? T(1) : T(0));
+        };
+        parallel_invoke(dx && gemm::concurrent_pair(rows, in, out), weight_grads, input_grad);
+    }
+};
+
+}  // namespace mnemo::cpu_kernels

@@ -1,0 +1,556 @@
+#pragma once
+// The CPU kernels of relative_attention's core (nn/relative_attention.hpp has the math and the
+// routes; kernels/relative_attention_state.hpp the arguments): the positional window GEMMs, the
+// per-(batch, head) scores with their positional terms, clamping, masks and softmax, the context,
+// the one-query (generation) pass, the absorbed-memory route, their backward passes, and the
+// frozen-norm and key/value projection gradients. Every loop over the tensors and every thread
+// decision of the attention is here; results do not depend on the thread count.
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "../../core/parallel.hpp"
+#include "../../core/shape.hpp"
+#include "../relative_attention_state.hpp"
+#include "elementwise.hpp"
+#include "gemm.hpp"
+#include "head_products.hpp"
+#include "softmax.hpp"
+
+namespace mnemo::cpu_kernels {
+
+namespace detail {
+
+/// One call's attention core over the state's pointers. StaticDk: d_k as a compile-time width for the
+/// per-head products (a static config's), 0 for a runtime one.
+template <class T, index_t StaticDk>
+class relative_attention_pass {
+    struct K : gemm, softmax, elementwise, head_products {};
+
+public:
+    explicit relative_attention_pass(const relative_attention_state<T>& state)
+        : s(state),
+          batch_(state.batch),
+          H(state.heads),
+          D(state.d_model),
+          Dk(state.d_head),
+          q_len_(state.q_len),
+          k_len_(state.k_len),
+          clamp_len_(state.clamp_len) {}
+
+    /// Scores, positional terms, masked softmax and context (s.attn, s.ctx; s.pos, and the absorbed
+    /// route's q̃, U, Û and row masses, for backward).
+    void forward() {
+        const index_t qb = q_len_ * batch_, w = window(), mem = k_len_ - q_len_;
+        const bool absorb = s.absorbed;
+        // q·R over the window of table rows [P − K, P + Q), one GEMM per head: pos[h] [Q·B, W]. (One
+        // query position over projected keys: one_query_forward computes it with the content scores.)
+        T* pos = s.pos;
+        const bool one_query = q_len_ == 1 && !absorb;
+        if (!one_query)
+            for_each_head(qb * w * Dk, [&](index_t h) {
+                K::gemm_nt(qb, w, Dk, s.q + h * Dk, D, s.r_win + h * Dk, D, pos + h * qb * w, w);
+            });
+        T* attn = s.attn;
+        const T scale = s.scale;
+        const T* s_win = s.s_win;
+        const T* kv = s.kv;
+        const index_t ld = batch_ * D, ldkv = batch_ * 2 * D;  // row strides of one batch element's sequence
+        const std::uint8_t* keep = s.keep;
+        // Content scores from column c0 on (absorbed: the memory's columns are already there), the
+        // positional terms, the masked softmax, and the context from the keys' values from c0 on.
+        const index_t c0 = absorb ? mem : 0;
+        // The positional terms and the masked softmax of (batch element b, head h), over its content
+        // scores a [Q, K].
+        auto finish_scores = [&](index_t b, index_t h, T* a) {
+            const T* ph = pos + h * qb * w;
+            for (index_t i = 0; i < q_len_; ++i) {
+                const T* pi = ph + (i * batch_ + b) * w + q_len_ - i;  // column Q + j − i at j = 0
+                const T* si = s_win + (q_len_ - i) * H + h;
+                T* ai = a + i * k_len_;
+                const index_t visible = mem + i + 1, j0 = clamped(i);
+                if (j0 > 0) {  // δ > clamp_len: the window column and S row of distance clamp_len
+                    const T pc = ph[(i * batch_ + b) * w + k_len_ - clamp_len_], sc = s_win[(k_len_ - clamp_len_) * H + h];
+                    for (index_t j = 0; j < j0; ++j) ai[j] = scale * (ai[j] + pc + sc);
+                }
+                for (index_t j = j0; j < visible; ++j) ai[j] = scale * (ai[j] + pi[j] + si[j * H]);
+            }
+            softmax_mask mask = softmax_mask::causal_from(mem);
+            if (keep && s.keep_any[b]) {
+                mask.keep = keep + b * k_len_;
+                mask.ld_keep = 0;  // the same key mask for every query row
+            }
+            K::softmax_forward(q_len_, k_len_, a, k_len_, a, k_len_, T(1), mask);
+        };
+        auto head = [&](index_t b, index_t h) {
+            T* a = attn + (b * H + h) * q_len_ * k_len_;  // [Q, K]
+            const index_t off = b * D + h * Dk, kv_off = c0 * ldkv + b * 2 * D + h * Dk;
+            head_gemm_nt(q_len_, k_len_ - c0, s.qu + off, ld, kv + kv_off, ldkv, a + c0, k_len_);
+            finish_scores(b, h, a);
+            head_gemm_nn(q_len_, k_len_ - c0, a + c0, k_len_, kv + kv_off + D, ldkv, s.ctx + off, ld);
+        };
+        if (one_query) {
+            one_query_forward(s.q, s.qu, s.r_win, kv, pos, attn, s.ctx, finish_scores);
+        } else if (!absorb) {
+            parallel_range(batch_ * H, worth_threads(), [&](index_t bh_begin, index_t bh_end) {
+                for (index_t bh = bh_begin; bh < bh_end; ++bh) head(bh / H, bh % H);
+            });
+        } else {
+            absorbed_forward(s.z, s.ldz, s.qu, attn, s.ctx, head);
+        }
+    }
+
+    /// From d context: d scores, dv and dk over the projected keys, d(q+u) (assigned), dq's positional
+    /// part (assigned), dR and dS over the window (+=); absorbed: dW_k, dW_v, db_v and the memory rows'
+    /// gradients (see absorbed_backward).
+    void backward() {
+        const index_t qb = q_len_ * batch_, w = window(), mem = k_len_ - q_len_;
+        const T* attn = s.attn;
+        T* d_scores = s.d_scores;
+        T* d_pos = s.pos;  // forward's q·R is not needed any more
+        const T scale = s.scale;
+        const index_t ld = batch_ * D, ldkv = batch_ * 2 * D;
+        const bool absorb = s.absorbed;
+        const index_t c0 = absorb ? mem : 0;  // keys projected by forward: from position c0 on
+        const T *kv = s.kv, *d_ctx = s.d_ctx, *qu = s.qu;
+        T *dkv = s.dkv, *dqu = s.dqu;
+        // Per (batch, head): d attention weights, dv, the softmax's backward, d(q+u) and dk over the
+        // projected keys, and the positional scores' gradient.
+        auto head = [&](index_t b, index_t h) {
+            const T* a = attn + (b * H + h) * q_len_ * k_len_;
+            T* ds = d_scores + (b * H + h) * q_len_ * k_len_;
+            const index_t off = b * D + h * Dk, k_off = c0 * ldkv + b * 2 * D + h * Dk, v_off = k_off + D;
+            const index_t kc = k_len_ - c0;
+            head_gemm_nt(q_len_, kc, d_ctx + off, ld, kv + v_off, ldkv, ds + c0, k_len_);  // dA
+            head_gemm_tn(q_len_, kc, a + c0, k_len_, d_ctx + off, ld, dkv + v_off, ldkv);  // dv
+            K::softmax_backward(q_len_, k_len_, a, k_len_, ds, k_len_, ds, k_len_, scale);  // d raw score
+            head_gemm_nn(q_len_, kc, ds + c0, k_len_, kv + k_off, ldkv, dqu + off, ld);  // d(q+u)
+            head_gemm_tn(q_len_, kc, ds + c0, k_len_, qu + off, ld, dkv + k_off, ldkv);  // dk
+            // The positional scores' gradient lands on window column Q + j − i of row (i, b).
+            T* ph = d_pos + h * qb * w;
+            for (index_t i = 0; i < q_len_; ++i) {
+                T* pi = ph + (i * batch_ + b) * w;
+                for (index_t c = 0; c < w; ++c) pi[c] = T(0);
+                const T* dsi = ds + i * k_len_;
+                const index_t visible = mem + i + 1, j0 = clamped(i);
+                for (index_t j = j0; j < visible; ++j) pi[q_len_ + j - i] = dsi[j];
+                if (j0 > 0) {  // clamped scores read the column of distance clamp_len
+                    T sum = T(0);
+                    for (index_t j = 0; j < j0; ++j) sum += dsi[j];
+                    pi[k_len_ - clamp_len_] += sum;
+                }
+            }
+        };
+        if (!absorb) {
+            parallel_range(batch_ * H, worth_threads(), [&](index_t bh_begin, index_t bh_end) {
+                for (index_t bh = bh_begin; bh < bh_end; ++bh) head(bh / H, bh % H);
+            });
+        } else {
+            absorbed_backward(s.z, s.ldz, qu, d_ctx, d_scores, dqu, head, s.frozen, s.d_zkv, s.ld_dzkv);
+        }
+
+        // Per head: dq = d_pos·R_win, dR_win += d_posᵀ·q, dS_win += column sums of d_pos.
+        const T* r_win = s.r_win;
+        T *dr_win = s.dr_win, *ds_win = s.ds_win, *cols = s.col_sums;
+        for_each_head(qb * w * Dk, [&](index_t h) {
+            const T* ph = d_pos + h * qb * w;
+            T* col = cols + h * w;
+            head_gemm_nn(qb, w, ph, w, r_win + h * Dk, D, s.dq + h * Dk, D);
+            K::gemm_tn(w, Dk, qb, ph, w, s.q + h * Dk, D, dr_win + h * Dk, D, T(1));
+            for (index_t c = 0; c < w; ++c) col[c] = T(0);
+            K::sum_rows_accumulate(qb, w, ph, w, col);
+            for (index_t c = 0; c < w; ++c) ds_win[c * H + h] += col[c];
+        });
+    }
+
+private:
+    index_t window() const { return k_len_ + q_len_; }
+
+    // The per-head products (head_products.hpp): with d_head a compile-time width for a static config,
+    // with the runtime width of a runtime-shape model otherwise (the same routes and sums).
+    template <class... A>
+    void head_gemm_nt(A... a) const {
+        if constexpr (StaticDk != 0) K::template head_gemm_nt<StaticDk>(a...);
+        else K::head_gemm_nt(Dk, a...);
+    }
+    template <class... A>
+    void head_gemm_nn(A... a) const {
+        if constexpr (StaticDk != 0) K::template head_gemm_nn<StaticDk>(a...);
+        else K::head_gemm_nn(Dk, a...);
+    }
+    template <class... A>
+    void head_gemm_tn(A... a) const {
+        if constexpr (StaticDk != 0) K::template head_gemm_tn<StaticDk>(a...);
+        else K::head_gemm_tn(Dk, a...);
+    }
+    template <class... A>
+    void heads_dot_rows(A... a) const {
+        if constexpr (StaticDk != 0) K::template heads_dot_rows<StaticDk>(a...);
+        else K::heads_dot_rows(Dk, a...);
+    }
+    template <class... A>
+    void heads_weighted_rows(A... a) const {
+        if constexpr (StaticDk != 0) K::template heads_weighted_rows<StaticDk>(a...);
+        else K::heads_weighted_rows(Dk, a...);
+    }
+
+    /// The per-(batch, head) loops go to threads when they hold enough work: about 64K multiply-adds
+    /// of scores (one generated token over a short memory stays on the calling thread, where an
+    /// OpenMP fork and join would cost more than the loop).
+    bool worth_threads() const { return batch_ * H * q_len_ * k_len_ * Dk >= (index_t(1) << 16); }
+    /// f(h) for every head, the heads spread over threads when the per-head products hold at least
+    /// 64K multiply-adds in all (each head's GEMMs then run on one thread; results do not depend on
+    /// the thread count either way).
+    template <class F>
+    void for_each_head(index_t work_per_head, F&& f) const {
+        parallel_range(H, H * work_per_head >= (index_t(1) << 16), [&](index_t h0, index_t h1) {
+            for (index_t h = h0; h < h1; ++h) f(h);
+        });
+    }
+    /// Keys j < clamped(i) of query i are farther than clamp_len (0 when clamping is off).
+    index_t clamped(index_t i) const {
+        if (clamp_len_ <= 0) return 0;
+        return std::max<index_t>(0, k_len_ - q_len_ + i - clamp_len_);
+    }
+
+    /// Forward of one query position over projected keys and values (a generated token), every head of
+    /// a batch element in one pass over its rows (heads_dot_rows, heads_weighted_rows): q·R over the
+    /// window's table rows and (q+u)·k over the keys, then finish_scores(b, h, a) (positional terms,
+    /// softmax), then the context. Rows of the dot products are split over the threads in blocks of
+    /// 64, and each thread's context covers a run of heads, so a thread still reads whole runs of
+    /// each row; the bits do not depend on the thread count.
+    template <class Finish>
+    void one_query_forward(const T* q, const T* qu, const T* r_win, const T* kv, T* pos, T* attn, T* ctx,
+                           Finish& finish_scores) {
+        const index_t w = window(), ldkv = batch_ * 2 * D;
+        constexpr index_t block = 64;
+        const index_t blocks = (w + block - 1) / block;  // w = K + 1 covers the keys' rows too
+        parallel_range(batch_ * blocks, worth_threads(), [&](index_t i0, index_t i1) {
+            for (index_t i = i0; i < i1; ++i) {
+                const index_t b = i / blocks, r0 = i % blocks * block;
+                // pos[h] [B, W]: row b of head h at h·B·W + b·W; attn [B, H, K]
+                heads_dot_rows(H, r0, std::min(r0 + block, w), q + b * D, r_win, D, pos + b * w, batch_ * w);
+                heads_dot_rows(H, r0, std::min(r0 + block, k_len_), qu + b * D, kv + b * 2 * D, ldkv,
+                               attn + b * H * k_len_, k_len_);
+            }
+        });
+        parallel_range(batch_ * H, worth_threads(), [&](index_t i0, index_t i1) {
+            for (index_t i = i0; i < i1;) {  // the heads [h0, h1) of batch element b
+                const index_t b = i / H, h0 = i % H, h1 = std::min<index_t>(H, h0 + (i1 - i));
+                T* a = attn + b * H * k_len_;
+                for (index_t h = h0; h < h1; ++h) finish_scores(b, h, a + h * k_len_);
+                heads_weighted_rows(h0, h1, k_len_, a, k_len_, kv + b * 2 * D + D, ldkv, ctx + b * D);
+                i += h1 - h0;
+            }
+        });
+    }
+
+    // Absorbed memory (z: the memory's rows): see nn/relative_attention.hpp. Per head h, W_k,h and
+    // W_v,h are the rows [h·d_k, (h+1)·d_k) of W_k and W_v [D, D]:
+    //   q̃_h = (q + u)_h·W_k,h [Q·B, D]             score[i, j < M] = q̃_h,i · z_j
+    //   U_h = A_h,mem·z      [Q·B, D]             context_h += U_h·W_v,hᵀ + (Σ_{j<M} a[i, j])·b_v,h
+    // q̃ and U live as [H·Q, B, D]: head h's block is [Q·B, D] in the queries' row order, and batch
+    // element b's rows (h, i) are one strided matrix [H·Q, D] (stride B·D), so the memory's share of
+    // every head of b is one GEMM with z_b [M, D] (stride B·ld).
+    // With the memory a layer norm's output z = ẑ∘γ + β (hat), U comes from Û = A_mem·ẑ (kept) as
+    // Û∘γ + (Σ_{j<M} a)⊗β, and backward's d q̃ = dS·z from dS·ẑ likewise. The norm's gradients then
+    // need no d z = dSᵀ·q̃ + Aᵀ·dU ([M, D]): over the memory rows,
+    //   Σ_j dz∘ẑ = Σ_rows q̃∘(dS·ẑ) + dU∘Û      Σ_j dz = Σ_rows (Σ_{j<M} dS)·q̃ + (Σ_{j<M} a)·dU
+    // (elementwise over b's [H·Q, D] rows), two [H·Q, M]×[M, D] GEMMs fewer per batch element.
+
+    /// Forward of the memory's share, then head(b, h) (the segment's share, softmax, context) per head.
+    template <class Head>
+    void absorbed_forward(const T* z, index_t ldz, const T* qu, T* attn, T* ctx, Head& head) {
+        const index_t qb = q_len_ * batch_, mem = k_len_ - q_len_, hq = H * q_len_;
+        const index_t ldb = batch_ * D, ldzb = batch_ * ldz;
+        const T *wk = s.wk, *wv = s.wv, *bv = s.bv;
+        const frozen_key_rows<T>& hat_ = s.hat;
+        T *qt = s.qt, *ut = s.ut, *rs = s.row_mass;
+        const bool hat = hat_.zhat != nullptr;
+        T* uh = hat ? s.ut_hat : nullptr;
+        const index_t ldhb = batch_ * hat_.ld_zhat;
+        T* blocks = hat ? s.thread_blocks : nullptr;
+        for_each_head(qb * D * Dk, [&](index_t h) {
+            K::gemm_nn(qb, D, Dk, qu + h * Dk, D, wk + h * Dk * D, D, qt + h * qb * D, D);
+        });
+        parallel_range(batch_, worth_threads(), [&](index_t b0, index_t b1) {
+            T* qg = hat ? blocks + thread_slot(b0, b1) * hq * (D + 1) : nullptr;  // q̃∘γ [H·Q, D], then q̃·β [H·Q]
+            for (index_t b = b0; b < b1; ++b) {
+                T* ab = attn + b * hq * k_len_;
+                if (!hat) {
+                    K::gemm_nt_direct(hq, mem, D, qt + b * D, ldb, z + b * ldz, ldzb, ab, k_len_);  // memory scores
+                } else {  // q̃·z_j = (q̃∘γ)·ẑ_j + q̃·β
+                    T* qbeta = qg + hq * D;
+                    for (index_t r = 0; r < hq; ++r) qbeta[r] = scale_row(qt + b * D + r * ldb, hat_.gamma, hat_.beta, qg + r * D);
+                    K::gemm_nt_direct(hq, mem, D, qg, D, hat_.zhat + b * hat_.ld_zhat, ldhb, ab, k_len_);
+                    for (index_t r = 0; r < hq; ++r)
+                        for (index_t j = 0; j < mem; ++j) ab[r * k_len_ + j] += qbeta[r];
+                }
+                for (index_t h = 0; h < H; ++h) head(b, h);
+                if (!hat) K::gemm_nn_direct(hq, D, mem, ab, k_len_, z + b * ldz, ldzb, ut + b * D, ldb);  // U = A_mem·z
+                else K::gemm_nn_direct(hq, D, mem, ab, k_len_, hat_.zhat + b * hat_.ld_zhat, ldhb, uh + b * D, ldb);  // Û
+                for (index_t r = 0; r < hq; ++r) {
+                    const T* ar = ab + r * k_len_;
+                    T sum = T(0);
+                    for (index_t j = 0; j < mem; ++j) sum += ar[j];
+                    rs[b * hq + r] = sum;
+                    if (!hat) continue;
+                    const T *g = hat_.gamma, *be = hat_.beta, *ur = uh + b * D + r * ldb;
+                    T* u = ut + b * D + r * ldb;
+#pragma omp simd
+                    for (index_t i = 0; i < D; ++i) u[i] = ur[i] * g[i] + sum * be[i];  // U = Û∘γ + (Σ a)⊗β
+                }
+            }
+        });
+        for_each_head(qb * D * Dk, [&](index_t h) {
+            K::gemm_nt(qb, Dk, D, ut + h * qb * D, D, wv + h * Dk * D, D, ctx + h * Dk, D, T(1));
+        });
+        for (index_t i = 0; i < q_len_; ++i)
+            for (index_t b = 0; b < batch_; ++b)
+                for (index_t h = 0; h < H; ++h) {
+                    T* c = ctx + (i * batch_ + b) * D + h * Dk;
+                    const T m = rs[b * hq + h * q_len_ + i];
+                    for (index_t d = 0; d < Dk; ++d) c[d] += m * bv[h * Dk + d];
+                }
+    }
+
+    /// Backward of absorbed_forward: dW_k, dW_v, db_v and d(q+u) from the memory's share, head(b, h)
+    /// per head, and the memory rows' d z, consumed batch element by batch element as it is formed
+    /// (absorbed_memory_input_grads): the frozen rows' norm gradients, the others' d_zkv rows.
+    template <class Head>
+    void absorbed_backward(const T* z, index_t ldz, const T* qu, const T* d_ctx, T* d_scores, T* dqu, Head& head,
+                           const frozen_key_rows<T>& frozen, T* d_zkv, index_t ld_dzkv) {
+        const index_t qb = q_len_ * batch_, mem = k_len_ - q_len_, hq = H * q_len_;
+        const index_t ldb = batch_ * D, ldzb = batch_ * ldz;
+        const T *wk = s.wk, *wv = s.wv, *bv = s.bv;
+        T *gk = s.gk, *gv = s.gv, *gbv = s.gbv;
+        const T *attn = s.attn, *qt = s.qt, *ut = s.ut, *rs = s.row_mass;
+        T *dut = s.dut, *dqt = s.dqt;
+        T* dc = s.d_bias_score;
+        // d z of the memory rows (one [M, D] block per thread) is needed for the frozen rows' norm
+        // gradients and for the rows that are not frozen; with the forward's ẑ and the same rows
+        // frozen now (hat), no d z at all: the caller passes dz_blocks or thread_blocks accordingly.
+        const bool hat = s.hat_backward;
+        T* dz_blocks = s.dz_blocks;
+        T* blocks = hat ? s.thread_blocks : nullptr;
+        const T* uh = s.ut_hat;
+        const index_t ldhb = batch_ * frozen.ld_zhat;
+        T* norm_partial = s.norm_partial;  // [B, 2D]: Σ dz∘ẑ, Σ dz
+        for_each_head(2 * qb * D * Dk, [&](index_t h) {
+            K::gemm_nn(qb, D, Dk, d_ctx + h * Dk, D, wv + h * Dk * D, D, dut + h * qb * D, D);       // dU_h
+            K::gemm_tn(Dk, D, qb, d_ctx + h * Dk, D, ut + h * qb * D, D, gv + h * Dk * D, D, T(1));  // dW_v,h
+        });
+        // db_v += Σ_i (Σ_{j<M} a[i, j])·d context_i; every memory column's d a[i, j] gets d context_i · b_v,h.
+        for (index_t i = 0; i < q_len_; ++i)
+            for (index_t b = 0; b < batch_; ++b)
+                for (index_t h = 0; h < H; ++h) {
+                    const T* g = d_ctx + (i * batch_ + b) * D + h * Dk;
+                    const T m = rs[b * hq + h * q_len_ + i];
+                    T dot = T(0);
+                    for (index_t d = 0; d < Dk; ++d) {
+                        gbv[h * Dk + d] += m * g[d];
+                        dot += g[d] * bv[h * Dk + d];
+                    }
+                    dc[b * hq + h * q_len_ + i] = dot;
+                }
+        parallel_range(batch_, worth_threads(), [&](index_t b0, index_t b1) {
+            // The whole range on one call: any block will do; otherwise this thread's own.
+            T* dzb = dz_blocks ? dz_blocks + thread_slot(b0, b1) * mem * D : nullptr;
+            T* dug = hat ? blocks + thread_slot(b0, b1) * hq * (D + 1) : nullptr;  // dU∘γ [H·Q, D]
+            for (index_t b = b0; b < b1; ++b) {
+                const T* zb = z + b * ldz;
+                const T* ab = attn + b * hq * k_len_;
+                T* dsb = d_scores + b * hq * k_len_;
+                if (!hat) {
+                    K::gemm_nt_direct(hq, mem, D, dut + b * D, ldb, zb, ldzb, dsb, k_len_);  // d a over the memory columns
+                } else {  // dU·z_j = (dU∘γ)·ẑ_j + dU·β, the second term with the bias's below
+                    for (index_t r = 0; r < hq; ++r)
+                        dc[b * hq + r] += scale_row(dut + b * D + r * ldb, frozen.gamma, frozen.beta, dug + r * D);
+                    K::gemm_nt_direct(hq, mem, D, dug, D, frozen.zhat + b * frozen.ld_zhat, ldhb, dsb, k_len_);
+                }
+                for (index_t r = 0; r < hq; ++r) {
+                    const T c = dc[b * hq + r];
+                    T* dr = dsb + r * k_len_;
+                    for (index_t j = 0; j < mem; ++j) dr[j] += c;
+                }
+                for (index_t h = 0; h < H; ++h) head(b, h);  // d raw scores from here on
+                if (hat) {
+                    hat_backward(b, dsb, frozen, ldhb, qt, uh, dut, rs, dqt, norm_partial + b * 2 * D);
+                    continue;
+                }
+                K::gemm_nn_direct(hq, D, mem, dsb, k_len_, zb, ldzb, dqt + b * D, ldb);  // d q̃
+                if (!dzb) continue;
+                K::gemm_tn(mem, D, hq, dsb, k_len_, qt + b * D, ldb, dzb, D);          // d z = dSᵀ·q̃
+                K::gemm_tn(mem, D, hq, ab, k_len_, dut + b * D, ldb, dzb, D, T(1));    //     + Aᵀ·dU
+                absorbed_memory_input_grads(frozen, b, dzb, norm_partial ? norm_partial + b * 2 * D : nullptr, d_zkv,
+                                            ld_dzkv);
+            }
+        });
+        if (norm_partial) {  // in batch order, whatever the threads
+            for (index_t b = 0; b < batch_; ++b) {
+                const T* p = norm_partial + b * 2 * D;
+                for (index_t i = 0; i < D; ++i) {
+                    frozen.dgamma[i] += p[i];
+                    frozen.dbeta[i] += p[D + i];
+                }
+            }
+        }
+        for_each_head(2 * qb * D * Dk, [&](index_t h) {
+            K::gemm_nt(qb, Dk, D, dqt + h * qb * D, D, wk + h * Dk * D, D, dqu + h * Dk, D, T(1));   // d(q+u)_h
+            K::gemm_tn(Dk, D, qb, qu + h * Dk, D, dqt + h * qb * D, D, gk + h * Dk * D, D, T(1));    // dW_k,h
+        });
+    }
+
+    /// out = row∘γ; returns row·β.
+    T scale_row(const T* row, const T* gamma, const T* beta, T* out) const {
+        T dot = T(0);
+#pragma omp simd reduction(+ : dot)
+        for (index_t i = 0; i < D; ++i) {
+            out[i] = row[i] * gamma[i];
+            dot += row[i] * beta[i];
+        }
+        return dot;
+    }
+    /// The per-thread scratch block of a parallel_range call over [b0, b1) of the batch: block 0 when
+    /// one call has the whole range, else the thread's own (see relative_attention::parallel_slots).
+    index_t thread_slot(index_t b0, index_t b1) const { return b1 - b0 == batch_ ? 0 : omp_get_thread_num(); }
+
+    /// Batch element b's d q̃ = dS·z from dS·ẑ (into dqt's rows, then completed in place), and its norm
+    /// partials acc [2D] (assigned) from q̃, dS·ẑ, dU, Û and the row sums (see absorbed_forward).
+    void hat_backward(index_t b, const T* dsb, const frozen_key_rows<T>& f, index_t ldhb, const T* qt, const T* uh,
+                      const T* dut, const T* rs, T* dqt, T* acc) const {
+        const index_t mem = k_len_ - q_len_, hq = H * q_len_, ldb = batch_ * D;
+        K::gemm_nn_direct(hq, D, mem, dsb, k_len_, f.zhat + b * f.ld_zhat, ldhb, dqt + b * D, ldb);  // dS·ẑ
+        for (index_t i = 0; i < 2 * D; ++i) acc[i] = T(0);
+        for (index_t r = 0; r < hq; ++r) {
+            const T* dr = dsb + r * k_len_;
+            T ds_sum = T(0);
+            for (index_t j = 0; j < mem; ++j) ds_sum += dr[j];
+            const T mass = rs[b * hq + r];
+            const index_t o = b * D + r * ldb;
+            const T *q = qt + o, *du = dut + o, *u = uh + o, *g = f.gamma, *be = f.beta;
+            T* p = dqt + o;
+#pragma omp simd
+            for (index_t i = 0; i < D; ++i) {
+                acc[i] += q[i] * p[i] + du[i] * u[i];
+                acc[D + i] += ds_sum * q[i] + mass * du[i];
+                p[i] = p[i] * g[i] + ds_sum * be[i];  // d q̃ = (dS·ẑ)∘γ + (Σ dS)⊗β
+            }
+        }
+    }
+
+    /// Batch element b's memory rows' d z, dzb [M, D] (row j is key row j·B + b): a frozen row that
+    /// is a layer-norm output adds to b's norm partials (Σ dz∘ẑ, Σ dz: acc [2D], assigned here), a
+    /// row that is not frozen goes to d_zkv.
+    void absorbed_memory_input_grads(const frozen_key_rows<T>& f, index_t b, const T* dzb, T* acc, T* d_zkv,
+                                     index_t ld) const {
+        const index_t mem = k_len_ - q_len_;
+        if (acc)
+            for (index_t i = 0; i < 2 * D; ++i) acc[i] = T(0);
+        for (index_t j = 0; j < mem; ++j) {
+            const index_t r = j * batch_ + b;
+            const T* g = dzb + j * D;
+            if (r >= f.rows) {
+                if (d_zkv) std::memcpy(d_zkv + r * ld, g, sizeof(T) * std::size_t(D));
+            } else if (acc) {
+                const T* zh = f.zhat + r * f.ld_zhat;
+#pragma omp simd
+                for (index_t i = 0; i < D; ++i) {
+                    acc[i] += g[i] * zh[i];
+                    acc[D + i] += g[i];
+                }
+            }
+        }
+    }
+
+    const relative_attention_state<T>& s;
+    index_t batch_, H, D, Dk, q_len_, k_len_, clamp_len_;
+};
+
+}  // namespace detail
+
+struct relative_attention_core {
+    /// The attention core's forward (see relative_attention_state). StaticDk: d_k when it is a
+    /// compile-time constant, else 0.
+    template <index_t StaticDk, class T>
+    static void relative_attention_forward(const relative_attention_state<T>& s) {
+        detail::relative_attention_pass<T, StaticDk>(s).forward();
+    }
+    /// The attention core's backward, after forward of the same state.
+    template <index_t StaticDk, class T>
+    static void relative_attention_backward(const relative_attention_state<T>& s) {
+        detail::relative_attention_pass<T, StaticDk>(s).backward();
+    }
+
+    /// Scratch blocks a per-batch-element kernel may use at once over n elements: one per thread that
+    /// parallel_range may run (and block 0 for the calling thread alone).
+    static index_t parallel_slots(index_t n) { return std::min<index_t>(index_t(omp_get_max_threads()), n); }
+
+    /// keep [B, K] (1 = visible) from key padding flags pad [K·B] (key-row order, nonzero = padding),
+    /// and keep_any [B]: whether batch element b has a padded key.
+    static void key_padding_keep(index_t batch, index_t k_len, const std::uint8_t* pad, std::uint8_t* keep,
+                                 std::uint8_t* keep_any) {
+        for (index_t b = 0; b < batch; ++b) keep_any[b] = 0;
+        for (index_t j = 0; j < k_len; ++j)
+            for (index_t b = 0; b < batch; ++b) {
+                const bool padded = pad[j * batch + b] != 0;
+                keep[b * k_len + j] = padded ? 0 : 1;
+                keep_any[b] |= std::uint8_t(padded);
+            }
+    }
+
+    /// The frozen rows' share when they are layer-norm outputs (frozen_key_rows): G = dkvᵀ·ẑ [2D, D]
+    /// (into g) and c = Σ rows dkv [2D] (into c), then db_v += c's value half, and per row j of
+    /// W = [W_k; W_v]: dW_j += G_j∘γ + c_j·β, dγ += W_j∘G_j, dβ += W_j·c_j.
+    template <class T>
+    static void frozen_norm_backward(index_t d, const frozen_key_rows<T>& f, const T* dkv, const T* wk, const T* wv,
+                                     T* gk, T* gv, T* gbv, T* g, T* c) {
+        const index_t n = 2 * d;
+        gemm::gemm_tn(n, d, f.rows, dkv, n, f.zhat, f.ld_zhat, g, d);
+        for (index_t j = 0; j < n; ++j) c[j] = T(0);
+        elementwise::sum_rows_accumulate(f.rows, n, dkv, n, c);
+        elementwise::add(1, d, c + d, d, gbv, d, gbv, d);  // db_v
+        for (index_t j = 0; j < n; ++j) {
+            const T* wj = (j < d ? wk + j * d : wv + (j - d) * d);
+            T* dwj = (j < d ? gk + j * d : gv + (j - d) * d);
+            const T* gj = g + j * d;
+            for (index_t i = 0; i < d; ++i) {
+                dwj[i] += gj[i] * f.gamma[i] + c[j] * f.beta[i];
+                f.dgamma[i] += wj[i] * gj[i];
+                f.dbeta[i] += wj[i] * c[j];
+            }
+        }
+    }
+
+    /// The key/value projections' backward over `rows` rows: [dW_k; dW_v] += dkvᵀ·z, db_v += Σ rows dv;
+    /// dz = dkv·[W_k; W_v] (skipped when dz is null). fused: W_v directly follows W_k (and dW_v dW_k),
+    /// one [2D, D] matrix, so each product is one GEMM. The weight gradients and dz are independent: at
+    /// mid sizes they run at the same time, one per thread (gemm::concurrent_pair).
+    template <class T>
+    static void kv_projection_backward(index_t rows, index_t d, const T* z, index_t ldz, const T* dkv, const T* wk,
+                                       const T* wv, T* gk, T* gv, T* gbv, bool fused, T* dz, index_t lddz) {
+        auto weight_grads = [&] {
+            if (fused) {
+                gemm::gemm_tn(2 * d, d, rows, dkv, 2 * d, z, ldz, gk, d, T(1));
+            } else {
+                gemm::gemm_tn(d, d, rows, dkv, 2 * d, z, ldz, gk, d, T(1));
+                gemm::gemm_tn(d, d, rows, dkv + d, 2 * d, z, ldz, gv, d, T(1));
+            }
+            elementwise::sum_rows_accumulate(rows, d, dkv + d, 2 * d, gbv);
+        };
+        auto input_grad = [&] {
+            if (!dz) return;
+            if (fused) {
+                gemm::gemm_nn(rows, d, 2 * d, dkv, 2 * d, wk, d, dz, lddz);
+            } else {
+                gemm::gemm_nn(rows, d, d, dkv, 2 * d, wk, d, dz, lddz);
+                gemm::gemm_nn(rows, d, d, dkv + d, 2 * d, wv, d, dz, lddz, T(1));
+            }
+        };
+        parallel_invoke(dz && gemm::concurrent_pair(rows, d, 2 * d), weight_grads, input_grad);
+    }
+};
+
+}  // namespace mnemo::cpu_kernels

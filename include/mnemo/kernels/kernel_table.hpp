@@ -1,0 +1,70 @@
+#pragma once
+// The kernel table every backend provides: MNEMO_KERNELS lists, by name, each kernel that nn/,
+// models/ and train/ call through ops<Backend>. checked_ops<Backend> is ops<Backend> after a check
+// that none is missing, so a new backend that lacks one fails to compile with one line naming it:
+//   static assertion failed: mnemo: ops<Backend> has no kernel 'softmax_backward' (kernels/kernel_table.hpp)
+// Modules take their kernels as `using ops_t = checked_ops<Backend>;`. The list also lets a wrapping
+// backend (the tests' fenced backend) forward every kernel without naming each by hand.
+//
+// Kernels (arguments: raw pointers, runtime extents, row strides; see each in kernels/cpu/):
+//   GEMM          gemm_nt, gemm_nn, gemm_tn (C = αA·B + βC in the three layouts), gemm_nt_direct,
+//                 gemm_nn_direct (small products on the calling thread), concurrent_pair (whether two
+//                 independent GEMMs of a shape should run side by side)
+//   per head      head_gemm_nt, head_gemm_nn, head_gemm_tn, heads_dot_rows, heads_weighted_rows
+//   softmax       softmax_forward, softmax_backward (masked rows), softmax_contiguous
+//   layer norm    layer_norm_forward, layer_norm_backward
+//   linear        linear_backward (weight, bias and input gradients of y = x·Wᵀ + b)
+//   attention     relative_attention_forward, relative_attention_backward (the core between the
+//                 projections: kernels/relative_attention_state.hpp), kv_projection_backward,
+//                 frozen_norm_backward, key_padding_keep, parallel_slots (per-thread scratch blocks)
+//   activations   activation_forward, activation_backward (tag-dispatched), relu_forward, relu_backward
+//   loss          cross_entropy_fused, cross_entropy_check_targets
+//   dropout       dropout_forward, dropout_backward
+//   element-wise  add_bias_rows, sum_rows_accumulate, add, copy, scale, gather_rows, scatter_add_rows
+#include "../core/backend.hpp"
+
+#define MNEMO_KERNELS(X)                                                                                     \
+    X(gemm_nt) X(gemm_nn) X(gemm_tn) X(gemm_nt_direct) X(gemm_nn_direct) X(concurrent_pair)                 \
+    X(head_gemm_nt) X(head_gemm_nn) X(head_gemm_tn) X(heads_dot_rows) X(heads_weighted_rows)                \
+    X(softmax_forward) X(softmax_backward) X(softmax_contiguous)                                            \
+    X(layer_norm_forward) X(layer_norm_backward) X(linear_backward)                                         \
+    X(activation_forward) X(activation_backward) X(relu_forward) X(relu_backward)                           \
+    X(relative_attention_forward) X(relative_attention_backward) X(kv_projection_backward)                 \
+    X(frozen_norm_backward) X(key_padding_keep) X(parallel_slots)                                           \
+    X(cross_entropy_fused) X(cross_entropy_check_targets)                                                   \
+    X(dropout_forward) X(dropout_backward)                                                                  \
+    X(add_bias_rows) X(sum_rows_accumulate) X(add) X(copy) X(scale) X(gather_rows) X(scatter_add_rows)
+
+namespace mnemo {
+namespace detail::kernel_probe {
+// has_<name><Ops>: Ops has a member called <name>, whatever its kind (function, template, overload set).
+// A class deriving from Ops and from a probe that declares <name> too finds the name ambiguous exactly
+// when Ops declares it.
+#define MNEMO_KERNEL_PROBE(name)                                   \
+    struct probe_##name {                                          \
+        int name;                                                  \
+    };                                                             \
+    template <class Ops>                                           \
+    struct both_##name : Ops, probe_##name {};                     \
+    template <class Ops>                                           \
+    concept has_##name = !requires { &both_##name<Ops>::name; };
+MNEMO_KERNELS(MNEMO_KERNEL_PROBE)
+#undef MNEMO_KERNEL_PROBE
+}  // namespace detail::kernel_probe
+
+/// Every kernel of MNEMO_KERNELS is a member of ops<Backend>.
+template <class Backend>
+constexpr bool check_kernel_table() {
+#define MNEMO_KERNEL_ASSERT(name)                                                   \
+    static_assert(detail::kernel_probe::has_##name<ops<Backend>>,                   \
+                  "mnemo: ops<Backend> has no kernel '" #name "' (kernels/kernel_table.hpp)");
+    MNEMO_KERNELS(MNEMO_KERNEL_ASSERT)
+#undef MNEMO_KERNEL_ASSERT
+    return true;
+}
+
+/// ops<Backend>, once check_kernel_table has found every kernel in it.
+template <class Backend>
+using checked_ops = std::conditional_t<check_kernel_table<Backend>(), ops<Backend>, void>;
+
+}  // namespace mnemo

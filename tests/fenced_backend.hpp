@@ -1,0 +1,214 @@
+#pragma once
+// mnemo::fenced, a test-only backend that proves module code reaches tensors only through kernels.
+//
+// Its memory (device_memory<fenced>) is whole pages from mmap, kept PROT_NONE: no access at all. Its
+// kernels (ops<fenced>) are the CPU kernels, each run with every fenced page opened for reading and
+// writing and closed again when the outermost kernel returns (the host path, upload and download, is
+// fenced the same way). Module, model or trainer code that reads or writes a fenced buffer itself, on
+// the host, outside a kernel, therefore faults; the SIGSEGV handler says which buffer, at which offset,
+// and prints the stack (names with -rdynamic), then lets the signal kill the test.
+//
+// The fence is process-wide (mprotect), so a kernel's OpenMP threads and two kernels on two threads
+// (a module's parallel_invoke) see it open; it closes when the last kernel running returns.
+#include <execinfo.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <utility>
+
+#include "mnemo/kernels/cpu/memory.hpp"
+#include "mnemo/kernels/cpu/ops.hpp"
+#include "mnemo/kernels/kernel_table.hpp"
+
+namespace mnemo {
+
+struct fenced {
+    static constexpr const char* name = "fenced";
+};
+
+namespace fence {
+
+struct region {
+    std::uintptr_t begin = 0;
+    std::size_t bytes = 0;  // 0: free slot
+    std::size_t id = 0;     // allocation number, for the message
+};
+
+inline constexpr std::size_t max_regions = 8192;
+
+struct state {
+    std::mutex lock;
+    std::array<region, max_regions> regions{};
+    std::size_t next_id = 1;
+    int depth = 0;  // kernels running now; the fence is open while > 0
+    std::atomic<std::size_t> faults_expected{0};
+    bool handler_installed = false;
+};
+inline state& global() {
+    static state s;
+    return s;
+}
+
+inline std::size_t page() { return std::size_t(sysconf(_SC_PAGESIZE)); }
+
+// Under the lock.
+inline void protect_all(int prot) {
+    for (const region& r : global().regions)
+        if (r.bytes && mprotect(reinterpret_cast<void*>(r.begin), r.bytes, prot) != 0) {
+            std::perror("fenced backend: mprotect");
+            std::abort();
+        }
+}
+
+inline void write_str(const char* s) { (void)!write(2, s, std::strlen(s)); }
+inline void write_num(std::size_t v) {
+    char buf[32];
+    int n = 0;
+    do {
+        buf[n++] = char('0' + v % 10);
+        v /= 10;
+    } while (v);
+    while (n) (void)!write(2, &buf[--n], 1);
+}
+
+inline void on_segv(int sig, siginfo_t* info, void*) {
+    const std::uintptr_t at = reinterpret_cast<std::uintptr_t>(info->si_addr);
+    for (const region& r : global().regions) {
+        if (!r.bytes || at < r.begin || at >= r.begin + r.bytes) continue;
+        write_str("fenced backend: host code touched fenced buffer #");
+        write_num(r.id);
+        write_str(" (");
+        write_num(r.bytes);
+        write_str(" bytes) at byte ");
+        write_num(at - r.begin);
+        write_str(" outside any kernel of ops<fenced>; the access was made from:\n");
+        void* frames[48];
+        backtrace_symbols_fd(frames, backtrace(frames, 48), 2);
+        break;
+    }
+    signal(sig, SIG_DFL);  // returning re-runs the access, which now kills the process
+}
+
+inline void install_handler() {
+    // Under the lock.
+    if (global().handler_installed) return;
+    struct sigaction sa{};
+    sa.sa_sigaction = on_segv;
+    sa.sa_flags = SA_SIGINFO;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGSEGV, &sa, nullptr);
+    global().handler_installed = true;
+}
+
+/// Opens the fence for the scope of one kernel (nested and concurrent kernels share the opening).
+struct open_scope {
+    open_scope() {
+        std::lock_guard g(global().lock);
+        if (global().depth++ == 0) protect_all(PROT_READ | PROT_WRITE);
+    }
+    ~open_scope() {
+        std::lock_guard g(global().lock);
+        if (--global().depth == 0) protect_all(PROT_NONE);
+    }
+    open_scope(const open_scope&) = delete;
+    open_scope& operator=(const open_scope&) = delete;
+};
+
+/// Fenced buffers alive now.
+inline std::size_t live_regions() {
+    std::lock_guard g(global().lock);
+    std::size_t n = 0;
+    for (const region& r : global().regions) n += r.bytes != 0;
+    return n;
+}
+
+}  // namespace fence
+
+template <>
+struct device_memory<fenced> {
+    static void* allocate(std::size_t bytes) {
+        const std::size_t pg = fence::page(), size = (std::max<std::size_t>(bytes, 1) + pg - 1) / pg * pg;
+        void* p = mmap(nullptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) throw std::bad_alloc();
+        std::lock_guard g(fence::global().lock);
+        fence::install_handler();
+        for (fence::region& r : fence::global().regions)
+            if (!r.bytes) {
+                r = {reinterpret_cast<std::uintptr_t>(p), size, fence::global().next_id++};
+                // Inside an open fence (a buffer grown between kernels never is, but be exact) the
+                // new pages are open too.
+                if (fence::global().depth > 0) mprotect(p, size, PROT_READ | PROT_WRITE);
+                return p;
+            }
+        std::fputs("fenced backend: more than fence::max_regions buffers alive\n", stderr);
+        std::abort();
+    }
+    static void deallocate(void* p, std::size_t bytes) noexcept {
+        const std::size_t pg = fence::page(), size = (std::max<std::size_t>(bytes, 1) + pg - 1) / pg * pg;
+        std::lock_guard g(fence::global().lock);
+        for (fence::region& r : fence::global().regions)
+            if (r.bytes && r.begin == reinterpret_cast<std::uintptr_t>(p)) r = {};
+        munmap(p, size);
+    }
+    static void fill_zero(void* p, std::size_t bytes) {
+        fence::open_scope open;
+        device_memory<cpu>::fill_zero(p, bytes);
+    }
+    static void copy(void* dst, const void* src, std::size_t bytes) {
+        fence::open_scope open;
+        device_memory<cpu>::copy(dst, src, bytes);
+    }
+    static void upload(void* dst, const void* host, std::size_t bytes) {
+        fence::open_scope open;
+        device_memory<cpu>::upload(dst, host, bytes);
+    }
+    static void download(void* host, const void* src, std::size_t bytes) {
+        fence::open_scope open;
+        device_memory<cpu>::download(host, src, bytes);
+    }
+};
+
+/// Every kernel of the table: the CPU's, inside an open fence. Three forms per name: no explicit
+/// template arguments, a value (head_gemm_nt<d_head>) or a type (activation_forward<relu>).
+namespace fence {
+/// ops<cpu>, named through the call's argument types so that `::template name<V>` is looked up only
+/// for the kernels that are templates (at instantiation).
+template <class... A>
+struct cpu_ops {
+    using type = ops<cpu>;
+};
+}  // namespace fence
+
+template <>
+struct ops<fenced> {
+#define MNEMO_FENCED_KERNEL(name)                                                      \
+    template <class... A>                                                              \
+    static decltype(auto) name(A&&... a) {                                             \
+        fence::open_scope open;                                                        \
+        return ops<cpu>::name(std::forward<A>(a)...);                                  \
+    }                                                                                  \
+    template <auto V, class... A>                                                      \
+    static decltype(auto) name(A&&... a) {                                             \
+        fence::open_scope open;                                                        \
+        return fence::cpu_ops<A...>::type::template name<V>(std::forward<A>(a)...);                      \
+    }                                                                                  \
+    template <class U, class... A>                                                     \
+    static decltype(auto) name(A&&... a) {                                             \
+        fence::open_scope open;                                                        \
+        return fence::cpu_ops<A...>::type::template name<U>(std::forward<A>(a)...);                      \
+    }
+    MNEMO_KERNELS(MNEMO_FENCED_KERNEL)
+#undef MNEMO_FENCED_KERNEL
+};
+
+static_assert(check_kernel_table<fenced>());
+
+}  // namespace mnemo

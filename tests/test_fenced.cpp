@@ -1,0 +1,292 @@
+// The fenced backend (tests/fenced_backend.hpp): its buffers can be reached only by kernels. These
+// tests check the fence itself (a host access faults, naming the buffer; kernels and the host path
+// pass), then run modules over it and compare every number with the CPU backend's, bitwise: any host
+// access left in those modules would kill this test.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "fenced_backend.hpp"
+#include "testing.hpp"
+
+#include <mnemo/mnemo.hpp>
+
+using namespace mnemo;
+
+namespace {
+
+/// Runs f in a child process with stderr captured; returns (how it ended, what it wrote to stderr).
+template <class F>
+std::pair<int, std::string> in_child(F&& f) {
+    int fds[2];
+    REQUIRE(pipe(fds) == 0);
+    const pid_t pid = fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+        close(fds[0]);
+        dup2(fds[1], 2);
+        f();
+        _exit(0);
+    }
+    close(fds[1]);
+    std::string err;
+    char buf[512];
+    for (ssize_t n; (n = read(fds[0], buf, sizeof buf)) > 0;) err.append(buf, std::size_t(n));
+    close(fds[0]);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    return {status, err};
+}
+
+template <class T, class B>
+std::vector<T> download(const buffer<T, B>& b, index_t n) {
+    std::vector<T> host(static_cast<std::size_t>(n));
+    device_memory<B>::download(host.data(), b.data(), sizeof(T) * host.size());
+    return host;
+}
+template <class T, class B>
+void upload(buffer<T, B>& b, const std::vector<T>& host) {
+    device_memory<B>::upload(b.ensure(index_t(host.size())), host.data(), sizeof(T) * host.size());
+}
+
+}  // namespace
+
+TEST_CASE("fenced backend: a host access to a fenced buffer kills the process and names the buffer") {
+    auto [status, err] = in_child([] {
+        buffer<float, fenced> b;
+        float* p = b.ensure(100);
+        std::fprintf(stderr, "reading\n");
+        volatile float x = p[3];  // the fault
+        (void)x;
+    });
+    CHECK(WIFSIGNALED(status));
+    CHECK(WTERMSIG(status) == SIGSEGV);
+    CHECK(err.find("reading") != std::string::npos);
+    CHECK(err.find("host code touched fenced buffer #") != std::string::npos);
+    CHECK(err.find("at byte 12 outside any kernel") != std::string::npos);
+}
+
+TEST_CASE("fenced backend: kernels and the host path reach fenced buffers; the fence closes after them") {
+    buffer<float, fenced> a, b, c;
+    upload(a, std::vector<float>{1, 2, 3, 4, 5, 6});
+    upload(b, std::vector<float>{10, 20, 30, 40, 50, 60});
+    c.ensure(6);
+    checked_ops<fenced>::add(2, 3, a.data(), 3, b.data(), 3, c.data(), 3);
+    CHECK(download(c, 6) == std::vector<float>{11, 22, 33, 44, 55, 66});
+    // Growth keeps the contents (a kernel-side copy).
+    c.ensure(4096);
+    CHECK(download(c, 6) == std::vector<float>{11, 22, 33, 44, 55, 66});
+    // And the fence is closed again: a host read now faults.
+    float* p = c.data();
+    auto [status, err] = in_child([p] {
+        volatile float x = p[0];
+        (void)x;
+    });
+    CHECK(WIFSIGNALED(status));
+    CHECK(err.find("host code touched fenced buffer") != std::string::npos);
+}
+
+namespace {
+
+constexpr std::size_t D = 16, Dff = 40;
+constexpr index_t vocab = 11;
+
+/// A small network of the modules that run over any backend: embedding → layer norm → feed-forward
+/// (ReLU) with a residual → feed-forward (GELU) → linear head → fused cross-entropy, forward and backward.
+template <class B>
+struct small_net {
+    parameter_set<float, B> ps;
+    embedding<float, D, B> emb{ps, "emb", vocab};
+    layer_norm<float, D, B> ln{ps, "ln"};
+    feed_forward<float, D, Dff, relu, B> ff1{ps, "ff1"};
+    feed_forward<float, D, Dff, gelu, B> ff2{ps, "ff2"};
+    linear<float, D, dynamic, B> head{ps, "head", index_t(D), vocab, true};
+    buffer<float, B> x, z, f, r, y, logits, losses, dlogits, dy, dr, df, dz, dx;
+
+    small_net() {
+        ps.allocate();
+        rng g(7);
+        emb.reset_parameters(g);
+        ln.reset_parameters();
+        ff1.reset_parameters(g);
+        ff2.reset_parameters(g);
+        head.reset_parameters(g);
+    }
+
+    void step(const std::vector<token_t>& tokens, const std::vector<token_t>& targets) {
+        using K = checked_ops<B>;
+        const index_t n = index_t(tokens.size());
+        using v = view<float, D, B>;
+        v xv(x.ensure(n * D), n), zv(z.ensure(n * D), n), fv(f.ensure(n * D), n), rv(r.ensure(n * D), n),
+            yv(y.ensure(n * D), n);
+        view<float, dynamic, B> lv(logits.ensure(n * vocab), n, vocab), dlv(dlogits.ensure(n * vocab), n, vocab);
+        emb.forward(tokens, xv);
+        ln.forward(xv, zv);
+        ff1.forward(zv, fv);
+        residual<float, D, B>::forward(xv, fv, rv);
+        ff2.forward(rv, yv);
+        head.forward(yv, lv);
+        K::cross_entropy_fused(n, vocab, lv.data(), vocab, targets.data(), losses.ensure(n), 1.0f / float(n), dlv.data(),
+                               vocab);
+        ps.zero_grad();
+        v dyv(dy.ensure(n * D), n), drv(dr.ensure(n * D), n), dfv(df.ensure(n * D), n), dzv(dz.ensure(n * D), n),
+            dxv(dx.ensure(n * D), n);
+        head.backward(yv, dlv, dyv);
+        ff2.backward(rv, dyv, drv);
+        residual<float, D, B>::backward(drv, dxv, dfv);
+        ff1.backward(zv, dfv, dzv);
+        ln.backward(xv, dzv, dxv, true);
+        emb.backward(tokens, dxv);
+    }
+
+    std::vector<float> values() {
+        std::vector<float> h(std::size_t(ps.size()));
+        ps.download_all_values(h);
+        return h;
+    }
+    std::vector<float> grads() {
+        std::vector<float> h(std::size_t(ps.size()));
+        ps.download_all_grads(h);
+        return h;
+    }
+};
+
+}  // namespace
+
+TEST_CASE("fenced backend: linear, layer norm, feed-forward, residual, embedding and cross-entropy match the CPU bitwise") {
+    small_net<cpu> host;
+    small_net<fenced> fenced_net;
+    CHECK(host.values() == fenced_net.values());
+    const std::vector<token_t> tokens = {1, 4, 4, 0, 10, 3, 7, 2, 9, 4, 5, 6, 8, 1, 0, 2, 3};
+    const std::vector<token_t> targets = {4, 4, 0, 10, 3, 7, -1, 9, 4, 5, 6, 8, 1, 0, 2, 3, 1};
+    for (int step = 0; step < 2; ++step) {
+        host.step(tokens, targets);
+        fenced_net.step(tokens, targets);
+        const index_t n = index_t(tokens.size());
+        CHECK(download(host.logits, n * vocab) == download(fenced_net.logits, n * vocab));
+        CHECK(download(host.losses, n) == download(fenced_net.losses, n));
+        CHECK(host.grads() == fenced_net.grads());
+        CHECK(download(host.dx, n * index_t(D)) == download(fenced_net.dx, n * index_t(D)));
+    }
+    // A parameter's host path both ways.
+    std::vector<float> w(std::size_t(fenced_net.head.weight().size()));
+    fenced_net.head.weight().download(w);
+    std::vector<float> hw(w.size());
+    host.head.weight().download(hw);
+    CHECK(w == hw);
+    for (float& x : w) x *= 2;
+    fenced_net.head.weight().upload(w);
+    std::vector<float> back(w.size());
+    fenced_net.head.weight().download(back);
+    CHECK(back == w);
+}
+
+namespace {
+
+template <class T, class B>
+buffer<T, B> on(const std::vector<T>& host) {
+    buffer<T, B> b;
+    upload(b, host);
+    return b;
+}
+
+struct attention_run {
+    std::vector<float> out, dzq, dzkv, grads, dgamma, dbeta, out2;
+};
+
+constexpr index_t AD = 16;
+using attention_cfg = config<16, 4>;
+
+/// relative_attention on backend B: forward and backward over memory + segment, with the route,
+/// padding, clamp_len and frozen rows of `variant` (as the CPU test of the absorbed route), then a
+/// generated token's forward that reuses the keys and values of the previous one.
+template <class B>
+attention_run run_attention(memory_attention mode, index_t Q, int variant, bool forward_norm) {
+    const index_t mem = 5, Kn = mem + Q, Bt = 3, P = 12;
+    parameter_set<float, B> ps;
+    relative_attention<float, attention_cfg, B> attn(ps, "self_attn", P);
+    ps.allocate();
+    {
+        rng g(41);
+        std::vector<float> host(std::size_t(ps.size()));
+        for (float& v : host) v = float(g.uniform(-0.8, 0.8));
+        ps.upload_all_values(host);
+    }
+    attn.set_memory_attention(mode);
+    auto zkv_h = testing::random_vector<float>(Kn * Bt * AD, 42);
+    auto zhat_h = testing::random_vector<float>(mem * Bt * AD, 43);
+    auto gamma_h = testing::random_vector<float>(AD, 44), beta_h = testing::random_vector<float>(AD, 45);
+    for (index_t r = 0; r < mem * Bt; ++r)
+        for (index_t i = 0; i < AD; ++i) zkv_h[r * AD + i] = zhat_h[r * AD + i] * gamma_h[i] + beta_h[i];
+    auto r_h = testing::random_vector<float>(Q * Bt * AD, 46);
+    std::vector<std::uint8_t> pad(std::size_t(Kn * Bt), 0);
+    if (variant == 1) {
+        pad[0 * Bt + 1] = pad[3 * Bt + 1] = pad[2 * Bt + 2] = 1;
+        attn.set_key_padding(pad.data());  // host flags, read by a kernel
+    }
+    if (variant == 2) attn.set_clamp_len(3);
+    auto zkv = on<float, B>(zkv_h), zhat = on<float, B>(zhat_h), gamma = on<float, B>(gamma_h),
+         beta = on<float, B>(beta_h), r = on<float, B>(r_h);
+    auto dgamma = on<float, B>(std::vector<float>(AD, 0.5f)), dbeta = on<float, B>(std::vector<float>(AD, -0.25f));
+    auto dzkv = on<float, B>(std::vector<float>(std::size_t(Kn * Bt * AD), -7.0f));
+    buffer<float, B> out, dzq;
+    frozen_key_rows<float> frozen;
+    if (variant == 0 || variant == 1)
+        frozen = {mem * Bt, zhat.data(), AD, gamma.data(), beta.data(), dgamma.data(), dbeta.data()};
+    if (variant == 2) frozen = {2 * Bt};
+    frozen_key_rows<float> norm_rows = forward_norm ? frozen : frozen_key_rows<float>{};
+    using cv = view<const float, AD, B>;
+    using mv = view<float, AD, B>;
+    const float* zq = zkv.data() + mem * Bt * AD;
+    attn.forward(cv(zq, Q * Bt), cv(zkv.data(), Kn * Bt), Bt, mv(out.ensure(Q * Bt * AD), Q * Bt), {}, norm_rows);
+    ps.zero_grad();
+    attn.backward(cv(zq, Q * Bt), cv(zkv.data(), Kn * Bt), cv(r.data(), Q * Bt), mv(dzq.ensure(Q * Bt * AD), Q * Bt),
+                  mv(dzkv.data(), Kn * Bt), false, frozen);
+    attention_run res;
+    res.out = download(out, Q * Bt * AD);
+    res.dzq = download(dzq, Q * Bt * AD);
+    res.dzkv = download(dzkv, Kn * Bt * AD);
+    res.dgamma = download(dgamma, AD);
+    res.dbeta = download(dbeta, AD);
+    res.grads.resize(std::size_t(ps.size()));
+    ps.download_all_grads(res.grads);
+    // Generation: one token over the keys, then the next with the memory slid by one position (the
+    // first Kn − 1 positions' keys and values reused, the last projected).
+    if (Q == 1 && mode == memory_attention::projected) {
+        attn.set_key_padding(nullptr);
+        attn.keep_projections(true);
+        buffer<float, B> o1, o2;
+        attn.forward(cv(zq, Bt), cv(zkv.data(), Kn * Bt), Bt, mv(o1.ensure(Bt * AD), Bt));
+        kv_reuse reuse;
+        reuse.add(0, 1, Kn - 1);
+        attn.forward(cv(zq, Bt), cv(zkv.data(), Kn * Bt), Bt, mv(o2.ensure(Bt * AD), Bt), reuse);
+        res.out2 = download(o2, Bt * AD);
+    }
+    return res;
+}
+
+}  // namespace
+
+TEST_CASE("fenced backend: relative attention (projected, absorbed, one query, padding, clamp, frozen norm rows, "
+          "key/value reuse) matches the CPU bitwise") {
+    for (memory_attention mode : {memory_attention::projected, memory_attention::absorbed})
+        for (index_t Q : {1, 3})
+            for (int v = 0; v < 6; ++v) {
+                const int variant = v < 4 ? v : v - 4;
+                const bool forward_norm = v >= 4;
+                INFO("absorbed=" << (mode == memory_attention::absorbed) << " Q=" << Q << " variant=" << v);
+                const attention_run c = run_attention<cpu>(mode, Q, variant, forward_norm);
+                const attention_run f = run_attention<fenced>(mode, Q, variant, forward_norm);
+                CHECK(c.out == f.out);
+                CHECK(c.dzq == f.dzq);
+                CHECK(c.dzkv == f.dzkv);
+                CHECK(c.grads == f.grads);
+                CHECK(c.dgamma == f.dgamma);
+                CHECK(c.dbeta == f.dbeta);
+                CHECK(c.out2 == f.out2);
+            }
+}
