@@ -740,7 +740,7 @@ TEST_CASE("accumulate_key_usage: adds the per-key attention mass, summed over he
         }
         // the kernel through the seam, in float
         std::vector<float> pf(p.begin(), p.end()), uf(prefill.begin(), prefill.end());
-        mnemo::compression_extra_ops<mnemo::cpu>::accumulate_key_usage(s.batch, s.heads, s.q, s.k, pf.data(), uf.data());
+        mnemo::ops<mnemo::cpu>::accumulate_key_usage(s.batch, s.heads, s.q, s.k, pf.data(), uf.data());
         check_close("usage (float)", uf, naive(s.batch, s.heads, s.q, s.k, p, prefill), 1e-4, 1e-5);
     }
     CHECK_THROWS_AS(mnemo::accumulate_key_usage<double>(1, -1, 1, 1, nullptr, nullptr), mnemo::error);

@@ -290,3 +290,148 @@ TEST_CASE("fenced backend: relative attention (projected, absorbed, one query, p
                 CHECK(c.out2 == f.out2);
             }
 }
+
+namespace {
+
+struct module_run {
+    std::vector<float> out, d_in, d_in2, grads;
+};
+
+/// A compression function C<float, 8, 4, B> over 8·4·2 memory rows (batch 2): forward, backward.
+template <template <class, std::size_t, std::size_t, class> class C, class B>
+module_run run_compression() {
+    constexpr std::size_t d = 8, rate = 4;
+    const index_t batch = 2, mem_rows = index_t(2 * rate) * batch, out_rows = mem_rows / index_t(rate);
+    parameter_set<float, B> ps;
+    C<float, d, rate, B> f(ps, "compress");
+    ps.allocate();
+    {
+        rng g(5);
+        std::vector<float> host(std::size_t(ps.size()));
+        for (float& v : host) v = float(g.uniform(-0.5, 0.5));
+        if (ps.size() > 0) ps.upload_all_values(host);
+    }
+    auto mem = on<float, B>(testing::random_vector<float>(mem_rows * index_t(d), 6));
+    auto d_out = on<float, B>(testing::random_vector<float>(out_rows * index_t(d), 7));
+    buffer<float, B> out, d_mem;
+    if constexpr (compression_needs_usage<C<float, d, rate, B>>) {
+        auto usage = on<float, B>(testing::random_vector<float>(mem_rows, 8, 0.0, 1.0));
+        f.set_usage(usage.data(), mem_rows);
+        f.forward(view<const float, d, B>(mem.data(), mem_rows), batch, view<float, d, B>(out.ensure(out_rows * index_t(d)), out_rows));
+    } else {
+        f.forward(view<const float, d, B>(mem.data(), mem_rows), batch, view<float, d, B>(out.ensure(out_rows * index_t(d)), out_rows));
+    }
+    ps.zero_grad();
+    f.backward(view<const float, d, B>(mem.data(), mem_rows), batch, view<const float, d, B>(d_out.data(), out_rows),
+               view<float, d, B>(d_mem.ensure(mem_rows * index_t(d)), mem_rows));
+    module_run r;
+    r.out = download(out, out_rows * index_t(d));
+    r.d_in = download(d_mem, mem_rows * index_t(d));
+    r.grads.resize(std::size_t(ps.size()));
+    if (ps.size() > 0) ps.download_all_grads(r.grads);
+    return r;
+}
+
+template <class B>
+module_run run_gru() {
+    constexpr std::size_t d = 12;
+    const index_t rows = 7;
+    parameter_set<float, B> ps;
+    gru_gate<float, d, B> gate(ps, "gate");
+    ps.allocate();
+    rng g(9);
+    gate.reset_parameters(g);
+    auto x = on<float, B>(testing::random_vector<float>(rows * index_t(d), 10));
+    auto y = on<float, B>(testing::random_vector<float>(rows * index_t(d), 11));
+    auto d_out = on<float, B>(testing::random_vector<float>(rows * index_t(d), 12));
+    buffer<float, B> out, dx, dy;
+    using cv = view<const float, d, B>;
+    using mv = view<float, d, B>;
+    gate.forward(cv(x.data(), rows), cv(y.data(), rows), mv(out.ensure(rows * index_t(d)), rows));
+    ps.zero_grad();
+    gate.backward(cv(d_out.data(), rows), mv(dx.ensure(rows * index_t(d)), rows), mv(dy.ensure(rows * index_t(d)), rows));
+    module_run r;
+    r.out = download(out, rows * index_t(d));
+    r.d_in = download(dx, rows * index_t(d));
+    r.d_in2 = download(dy, rows * index_t(d));
+    r.grads.resize(std::size_t(ps.size()));
+    ps.download_all_grads(r.grads);
+    return r;
+}
+
+void check_same(const module_run& c, const module_run& f) {
+    CHECK(c.out == f.out);
+    CHECK(c.d_in == f.d_in);
+    CHECK(c.d_in2 == f.d_in2);
+    CHECK(c.grads == f.grads);
+    CHECK(!c.out.empty());
+}
+
+}  // namespace
+
+TEST_CASE("fenced backend: every compression function and the GRU gate match the CPU bitwise") {
+    SUBCASE("conv") { check_same(run_compression<conv_compression, cpu>(), run_compression<conv_compression, fenced>()); }
+    SUBCASE("max pool") {
+        check_same(run_compression<max_pool_compression, cpu>(), run_compression<max_pool_compression, fenced>());
+    }
+    SUBCASE("mean pool") {
+        check_same(run_compression<mean_pool_compression, cpu>(), run_compression<mean_pool_compression, fenced>());
+    }
+    SUBCASE("dilated conv") {
+        check_same(run_compression<dilated_conv_compression, cpu>(), run_compression<dilated_conv_compression, fenced>());
+    }
+    SUBCASE("most used") {
+        check_same(run_compression<most_used_compression, cpu>(), run_compression<most_used_compression, fenced>());
+    }
+    SUBCASE("GRU gate") { check_same(run_gru<cpu>(), run_gru<fenced>()); }
+}
+
+namespace {
+
+/// One feedback attention step over t = 5 slots (sequence-major), forward and backward.
+template <class B>
+module_run run_feedback_step() {
+    const index_t t = 5, batch = 3, P = 9;
+    parameter_set<float, B> ps;
+    feedback_attention<float, attention_cfg, B> attn(ps, "attn", P);
+    ps.allocate();
+    {
+        rng g(31);
+        std::vector<float> host(std::size_t(ps.size()));
+        for (float& v : host) v = float(g.uniform(-0.8, 0.8));
+        ps.upload_all_values(host);
+    }
+    auto z = on<float, B>(testing::random_vector<float>(batch * AD, 32));
+    auto k = on<float, B>(testing::random_vector<float>(t * batch * AD, 33));
+    auto v = on<float, B>(testing::random_vector<float>(t * batch * AD, 34));
+    auto r = on<float, B>(testing::random_vector<float>(batch * AD, 35));
+    auto dk = on<float, B>(std::vector<float>(std::size_t(t * batch * AD), 0.25f));
+    auto dv = on<float, B>(std::vector<float>(std::size_t(t * batch * AD), -0.5f));
+    buffer<float, B> out, q, ctx, a, dz;
+    const auto slots = [&](const float* p) { return memory_slots<const float>(p, t, batch * AD, AD); };
+    const auto dslots = [&](float* p) { return memory_slots<float>(p, t, batch * AD, AD); };
+    using cv = view<const float, AD, B>;
+    using mv = view<float, AD, B>;
+    attn.forward(cv(z.data(), batch), slots(k.data()), slots(v.data()), batch,
+                 {q.ensure(batch * AD), a.ensure(attn.attn_size(batch, t)), ctx.ensure(batch * AD)},
+                 mv(out.ensure(batch * AD), batch));
+    ps.zero_grad();
+    attn.backward(cv(z.data(), batch), slots(k.data()), slots(v.data()), cv(r.data(), batch), batch,
+                  {q.data(), a.data(), ctx.data()}, dslots(dk.data()), dslots(dv.data()),
+                  mv(dz.ensure(batch * AD), batch));
+    module_run res;
+    res.out = download(out, batch * AD);
+    res.d_in = download(dz, batch * AD);
+    res.d_in2 = download(dk, t * batch * AD);
+    const auto dvh = download(dv, t * batch * AD);
+    res.d_in2.insert(res.d_in2.end(), dvh.begin(), dvh.end());
+    res.grads.resize(std::size_t(ps.size()));
+    ps.download_all_grads(res.grads);
+    return res;
+}
+
+}  // namespace
+
+TEST_CASE("fenced backend: a feedback attention step matches the CPU bitwise") {
+    check_same(run_feedback_step<cpu>(), run_feedback_step<fenced>());
+}

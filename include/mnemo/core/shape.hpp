@@ -76,4 +76,14 @@ struct extent_holder<dynamic> {
     constexpr operator index_t() const { return n; }  // NOLINT(google-explicit-constructor)
 };
 
+/// The extents a model's kernels may take as compile-time constants, passed as one template argument
+/// (`K::template relative_attention_forward<static_extents{D, H, Dk}>(…)`): a static config's values,
+/// `dynamic` for a runtime shape. Constant extents give the kernels' loops the same code (and, for the
+/// vectorised reductions over a head's features, the same summation order) as before they moved.
+struct static_extents {
+    std::size_t d_model = dynamic;
+    std::size_t heads = dynamic;
+    std::size_t d_head = dynamic;
+};
+
 }  // namespace mnemo

@@ -11,12 +11,18 @@
 //                 gemm_nn_direct (small products on the calling thread), concurrent_pair (whether two
 //                 independent GEMMs of a shape should run side by side)
 //   per head      head_gemm_nt, head_gemm_nn, head_gemm_tn, heads_dot_rows, heads_weighted_rows
+//   compression   im2col_time, col2im_time, max_pool_time_forward, max_pool_time_backward,
+//                 mean_pool_time_forward, mean_pool_time_backward, most_used_forward, most_used_backward,
+//                 accumulate_key_usage
+//   GRU gate      gru_gate_forward, gru_gate_backward
 //   softmax       softmax_forward, softmax_backward (masked rows), softmax_contiguous
 //   layer norm    layer_norm_forward, layer_norm_backward
 //   linear        linear_backward (weight, bias and input gradients of y = x·Wᵀ + b)
 //   attention     relative_attention_forward, relative_attention_backward (the core between the
 //                 projections: kernels/relative_attention_state.hpp), kv_projection_backward,
-//                 frozen_norm_backward, key_padding_keep, parallel_slots (per-thread scratch blocks)
+//                 frozen_norm_backward, key_padding_keep, parallel_slots (per-thread scratch blocks);
+//                 feedback_attention_forward, feedback_attention_backward (one step:
+//                 kernels/feedback_attention_state.hpp)
 //   activations   activation_forward, activation_backward (tag-dispatched), relu_forward, relu_backward
 //   loss          cross_entropy_fused, cross_entropy_check_targets
 //   dropout       dropout_forward, dropout_backward
@@ -31,6 +37,10 @@
     X(activation_forward) X(activation_backward) X(relu_forward) X(relu_backward)                           \
     X(relative_attention_forward) X(relative_attention_backward) X(kv_projection_backward)                 \
     X(frozen_norm_backward) X(key_padding_keep) X(parallel_slots)                                           \
+    X(feedback_attention_forward) X(feedback_attention_backward)                                            \
+    X(im2col_time) X(col2im_time) X(max_pool_time_forward) X(max_pool_time_backward)                        \
+    X(mean_pool_time_forward) X(mean_pool_time_backward) X(most_used_forward) X(most_used_backward)         \
+    X(accumulate_key_usage) X(gru_gate_forward) X(gru_gate_backward)                                        \
     X(cross_entropy_fused) X(cross_entropy_check_targets)                                                   \
     X(dropout_forward) X(dropout_backward)                                                                  \
     X(add_bias_rows) X(sum_rows_accumulate) X(add) X(copy) X(scale) X(gather_rows) X(scatter_add_rows)

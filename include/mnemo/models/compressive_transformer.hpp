@@ -791,7 +791,7 @@ private:
         const index_t q = rows_ / batch_, c = mem.c_mem_slots(), k = c + mem.mem_slots() + q;
         T* all = usage_all_.ensure(k * batch_);
         std::fill(all, all + k * batch_, T(0));
-        accumulate_key_usage(batch_, options_.heads, q, k, attn.attention_weights(), all);
+        checked_ops<Backend>::accumulate_key_usage(batch_, options_.heads, q, k, attn.attention_weights(), all);
         usage_[std::size_t(s)].assign(all + c * batch_, all + k * batch_);
     }
 

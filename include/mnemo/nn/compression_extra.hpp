@@ -26,7 +26,7 @@
 //                              compression function needs it.
 //
 // Each dilated layer is one GEMM over the im2col gather of nn/compression.hpp with rate 2
-// (cpu_kernels::compression::im2col_time<2>): X_k [rows_k, 2D] with column i·2 + t, which is W_k's own
+// (the kernel im2col_time<2>): X_k [rows_k, 2D] with column i·2 + t, which is W_k's own
 // memory order, so W_k [D, 2D] is used as stored:
 //   y_k = X_k·W_kᵀ + b_k     dW_k += dy_kᵀ·X_k     db_k += Σ_rows dy_k     dX_k = dy_k·W_k, scattered back
 // (col2im_time<2>; kernel = stride, so the scatter assigns), then through the ReLU of the layer below.
@@ -36,8 +36,8 @@
 // slot per output row) in buffers that grow to the largest memory seen and are reused, so steady-state
 // calls do not allocate. Backward must follow a forward over the same memory (the shape is checked).
 //
-// The selection kernels and the attention-usage sum are plain loops in cpu_kernels below, reached
-// through compression_extra_ops<Backend> (the seam a CUDA build specialises).
+// The selection kernels and the attention-usage sum are kernels
+// through ops<Backend> (kernels/cpu/most_used.hpp for the CPU).
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -52,113 +52,6 @@
 #include "module.hpp"
 
 namespace mnemo {
-
-namespace detail {
-/// f(i) for i in [0, n): split over OpenMP threads when `parallel`, else a plain loop that does not
-/// enter the OpenMP runtime at all (libgomp allocates a team even for a serialised `parallel if (0)`).
-template <class F>
-inline void compression_extra_for_each(index_t n, bool parallel, F&& f) {
-    if (parallel) {
-#pragma omp parallel for schedule(static)
-        for (index_t i = 0; i < n; ++i) f(i);
-    } else {
-        for (index_t i = 0; i < n; ++i) f(i);
-    }
-}
-}  // namespace detail
-
-namespace cpu_kernels {
-
-/// The per-key attention mass the memory slots receive, for most-used compression.
-struct attention_usage {
-    /// usage[j·batch + b] += Σ_h Σ_i probs[((b·heads + h)·q + i)·k + j]: the attention weights of
-    /// every head and every query on key j of batch element b, summed (heads outer, queries inner) and
-    /// added to usage. probs is [batch][heads][q][k] contiguous, as relative_attention keeps its
-    /// softmax output; usage is indexed as the key rows (key position·batch + b). Batch elements
-    /// write disjoint entries, so threads split them.
-    template <class T>
-    static void accumulate_key_usage(index_t batch, index_t heads, index_t q, index_t k, const T* probs, T* usage) {
-        mnemo::detail::compression_extra_for_each(batch, batch * heads * q * k >= 65536, [&](index_t b) {
-            for (index_t h = 0; h < heads; ++h) {
-                const T* p = probs + (b * heads + h) * q * k;
-                for (index_t i = 0; i < q; ++i) {
-                    const T* pi = p + i * k;
-                    for (index_t j = 0; j < k; ++j) usage[j * batch + b] += pi[j];
-                }
-            }
-        });
-    }
-};
-
-/// Most-used selection. Arguments as cpu_kernels::compression: `out_rows` = n·batch compressed rows,
-/// memory row (s·Rate + t)·batch + b for output row r = s·batch + b, `d` features, `ld*` row strides;
-/// Rate may be `dynamic`, the rate then given as the last argument.
-struct most_used_selection {
-    /// arg[r] = the first t maximising usage[(s·Rate + t)·batch + b] (a NaN never wins);
-    /// out[r, :] = mem[(s·Rate + arg[r])·batch + b, :].
-    template <std::size_t Rate, class T, class I>
-    static void forward(index_t out_rows, index_t batch, index_t d, const T* usage, const T* mem, index_t ldm, T* out,
-                        index_t ldo, I* arg, index_t rate = index_t(Rate)) {
-        const index_t c = Rate != dynamic ? static_cast<index_t>(Rate) : rate;
-        mnemo::detail::compression_extra_for_each(out_rows, out_rows * d >= 65536, [&](index_t r) {
-            const index_t s = r / batch, b = r % batch;
-            index_t best = 0;
-            T best_u = usage[s * c * batch + b];
-            for (index_t t = 1; t < c; ++t) {
-                const T u = usage[(s * c + t) * batch + b];
-                if (u > best_u || (std::isnan(best_u) && !std::isnan(u))) {  // ties keep the first
-                    best = t;
-                    best_u = u;
-                }
-            }
-            arg[r] = static_cast<I>(best);
-            const T* m = mem + ((s * c + best) * batch + b) * ldm;
-            T* o = out + r * ldo;
-            for (index_t i = 0; i < d; ++i) o[i] = m[i];
-        });
-    }
-
-    /// d_mem[(s·Rate + t)·batch + b, :] = d_out[r, :] where t = arg[r], else 0 (assigned).
-    template <std::size_t Rate, class T, class I>
-    static void backward(index_t out_rows, index_t batch, index_t d, const T* d_out, index_t ldo, const I* arg,
-                         T* d_mem, index_t ldm, index_t rate = index_t(Rate)) {
-        const index_t c = Rate != dynamic ? static_cast<index_t>(Rate) : rate;
-        mnemo::detail::compression_extra_for_each(out_rows, out_rows * d * c >= 65536, [&](index_t r) {
-            const index_t s = r / batch, b = r % batch;
-            const T* g = d_out + r * ldo;
-            for (index_t t = 0; t < c; ++t) {
-                T* m = d_mem + ((s * c + t) * batch + b) * ldm;
-                if (static_cast<index_t>(arg[r]) == t)
-                    for (index_t i = 0; i < d; ++i) m[i] = g[i];
-                else
-                    for (index_t i = 0; i < d; ++i) m[i] = T(0);
-            }
-        });
-    }
-};
-
-}  // namespace cpu_kernels
-
-/// compression_extra_ops<Backend>: the kernels above, per backend (as compression_ops<Backend>).
-template <class Backend>
-struct compression_extra_ops {
-    static_assert(dependent_false<Backend>, "mnemo: this backend has no most-used/usage kernels: "
-                                            "compression_extra_ops<Backend> is not specialised for it");
-};
-template <>
-struct compression_extra_ops<cpu> : cpu_kernels::attention_usage {
-    using selection = cpu_kernels::most_used_selection;
-};
-
-/// usage[j·batch + b] += Σ_{h, i} probs[b][h][i][j] (CPU): the attention mass that key row j·batch + b
-/// received from every head and query. probs [batch][heads][q][k] contiguous (relative_attention's
-/// softmax output layout); usage has k·batch entries, indexed as the key rows.
-template <class T>
-void accumulate_key_usage(index_t batch, index_t heads, index_t q, index_t k, const T* probs, T* usage) {
-    MNEMO_CHECK(batch >= 0 && heads >= 0 && q >= 0 && k >= 0, "accumulate_key_usage: negative extent (batch ", batch,
-                ", heads ", heads, ", q ", q, ", k ", k, ")");
-    cpu_kernels::attention_usage::accumulate_key_usage(batch, heads, q, k, probs, usage);
-}
 
 namespace detail {
 template <class C>
@@ -192,7 +85,7 @@ class dilated_conv_compression {
                   "mnemo: dilated_conv_compression needs a compression rate that is a power of two >= 2 (it is a "
                   "stack of log2(Rate) convolutions of kernel 2 and stride 2)");
     using K = checked_ops<Backend>;
-    using C = compression_ops<Backend>;
+    using C = checked_ops<Backend>;
     using shape = detail::compression_shape;
     [[no_unique_address]] extent_holder<D> d_;
     [[no_unique_address]] extent_holder<Rate> c_;
@@ -361,7 +254,7 @@ private:
 template <class T, std::size_t D, std::size_t Rate, class Backend = cpu>
 class most_used_compression {
     static_assert(expect_compression_rate<Rate>::value);
-    using K = compression_extra_ops<Backend>;
+    using K = checked_ops<Backend>;
     using shape = detail::compression_shape;
     [[no_unique_address]] extent_holder<D> d_;
     [[no_unique_address]] extent_holder<Rate> c_;
@@ -394,13 +287,13 @@ public:
 
     /// The usage of the memory the next forward compresses: usage[t·batch + b] is the attention mass
     /// memory row t·batch + b received (e.g. summed with accumulate_key_usage); `rows` entries, one per
-    /// memory row. Copied (into a buffer that grows and is reused); it stays in effect, for every
+    /// memory row, in the backend's memory. Copied (into a buffer that grows and is reused); it stays in effect, for every
     /// forward over `rows` memory rows, until the next set_usage or clear_usage.
     void set_usage(const T* usage, index_t rows) {
         MNEMO_CHECK(rows >= 0, who_, ": set_usage with a negative row count ", rows);
         MNEMO_CHECK(rows == 0 || usage != nullptr, who_, ": set_usage with no data for ", rows, " rows");
         T* u = usage_.ensure(rows);
-        if (rows > 0) std::memcpy(u, usage, sizeof(T) * static_cast<std::size_t>(rows));
+        device_memory<Backend>::copy(u, usage, sizeof(T) * static_cast<std::size_t>(rows));
         usage_rows_ = rows;
     }
     void clear_usage() { usage_rows_ = -1; }
@@ -418,7 +311,7 @@ public:
                     ") with the attention mass of each memory row before forward");
         MNEMO_CHECK(usage_rows_ == mem.rows(), who_, ": the usage was set for ", usage_rows_,
                     " memory rows but forward got ", mem.rows(), " memory rows");
-        K::selection::template forward<Rate>(rows, batch, d_, usage_.data(), mem.data(), mem.ld(), out.data(),
+        K::template most_used_forward<Rate>(rows, batch, d_, usage_.data(), mem.data(), mem.ld(), out.data(),
                                              out.ld(), arg_.ensure(rows), c_);
         saved_rows_ = mem.rows();
         saved_batch_ = batch;
@@ -434,7 +327,7 @@ public:
         const index_t rows = shape::check_backward(who_, mem, batch, d_out, d_mem, d_, c_);
         shape::check_saved(who_, mem.rows(), batch, saved_rows_, saved_batch_);
         if (d_mem.data())
-            K::selection::template backward<Rate>(rows, batch, d_, d_out.data(), d_out.ld(), arg_.data(),
+            K::template most_used_backward<Rate>(rows, batch, d_, d_out.data(), d_out.ld(), arg_.data(),
                                                   d_mem.data(), d_mem.ld(), c_);
     }
 

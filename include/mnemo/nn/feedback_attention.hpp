@@ -30,36 +30,13 @@
 #include <string>
 #include <type_traits>
 
-#include "../core/parallel.hpp"
 #include "../core/buffer.hpp"
 #include "../core/config.hpp"
 #include "../core/rng.hpp"
-#include "../kernels/cpu/softmax.hpp"
+#include "../kernels/feedback_attention_state.hpp"
 #include "linear.hpp"
 
 namespace mnemo {
-
-/// Projected keys or values of t memory slots: slot j of batch row b holds D contiguous features at
-/// data + j·slot_stride + b·batch_stride. Sequence-major [t, B, D]: slot_stride = B·D, batch_stride = D;
-/// batch-major [B, capacity, D]: slot_stride = D, batch_stride = capacity·D.
-template <class T>
-struct memory_slots {
-    T* data = nullptr;
-    index_t slots = 0;
-    index_t slot_stride = 0;
-    index_t batch_stride = 0;
-
-    memory_slots() = default;
-    memory_slots(T* d, index_t n, index_t slot_stride_, index_t batch_stride_)
-        : data(d), slots(n), slot_stride(slot_stride_), batch_stride(batch_stride_) {}
-    /// Mutable -> const, implicitly (as view's).
-    template <class U>
-        requires(std::is_same_v<const U, T> && !std::is_same_v<U, T>)
-    memory_slots(const memory_slots<U>& o)  // NOLINT(google-explicit-constructor)
-        : data(o.data), slots(o.slots), slot_stride(o.slot_stride), batch_stride(o.batch_stride) {}
-
-    T* at(index_t slot, index_t b) const { return data + slot * slot_stride + b * batch_stride; }
-};
 
 /// What feedback_attention's forward saves for backward, in caller-owned storage (the model keeps one
 /// per step of a sequence): q [B, D] (without u), attn [B, heads, t] (softmax weights), ctx [B, D]
@@ -132,25 +109,10 @@ public:
         K::copy(batch, D, q.data(), D, qu.data(), D);
         K::add_bias_rows(batch, D, u_.value(), qu.data(), D);  // q + u, u [heads·d_k] broadcast
 
-        const T scale = T(1) / std::sqrt(T(index_t(Dk)));
-        const T* r_win = r_.value_rows(n_pos_ - t, n_pos_);  // R[P − t + j] for j = 0 … t − 1
-        const T* s_win = s_.value_rows(n_pos_ - t, n_pos_);
-        T* attn = cache.attn;
-        parallel_range(batch * H, batch * H * t >= 4096, [&](index_t bh_begin, index_t bh_end) {
-            for (index_t bh = bh_begin; bh < bh_end; ++bh) {
-                const index_t b = bh / H, h = bh % H;
-                T* a = attn + (b * H + h) * t;  // [t]
-                const index_t off = b * D + h * Dk;
-                const T *qb = q.data() + off, *qub = qu.data() + off, *k0 = keys.at(0, b) + h * Dk,
-                        *v0 = values.at(0, b) + h * Dk, *r0 = r_win + h * Dk;
-                for (index_t j = 0; j < t; ++j)  // (q + u)·k_j + q·R[P − t + j] + S[P − t + j]
-                    a[j] = dot2(qub, k0 + j * keys.slot_stride, qb, r0 + j * D) + s_win[j * H + h];
-                K::softmax_forward(1, t, a, t, a, t, scale);
-                T* c = ctx.data() + off;  // Σ_j a_j v_j
-                for (index_t d = 0; d < Dk; ++d) c[d] = T(0);
-                for (index_t j = 0; j < t; ++j) axpy(a[j], v0 + j * values.slot_stride, c);
-            }
-        });
+        feedback_attention_state<T> st = state(batch, t, q.data(), qu.data(), keys, values);
+        st.attn = cache.attn;
+        st.ctx = ctx.data();
+        K::template feedback_attention_forward<extents>(st);
         output_.forward(ctx, out);
     }
 
@@ -172,43 +134,17 @@ public:
         K::copy(batch, D, q.data(), D, qu.data(), D);
         K::add_bias_rows(batch, D, u_.value(), qu.data(), D);
 
-        const T scale = T(1) / std::sqrt(T(index_t(Dk)));
-        const T* r_win = r_.value_rows(n_pos_ - t, n_pos_);
-        const T* attn = cache.attn;
-        T* d_scores = d_scores_.ensure(attn_size(batch, t));  // [B, H, t]
-        parallel_range(batch * H, batch * H * t >= 4096, [&](index_t bh_begin, index_t bh_end) {
-            for (index_t bh = bh_begin; bh < bh_end; ++bh) {
-                const index_t b = bh / H, h = bh % H;
-                const T* a = attn + (b * H + h) * t;
-                T* ds = d_scores + (b * H + h) * t;
-                const index_t off = b * D + h * Dk;
-                const T *dc = d_ctx.data() + off, *qub = qu.data() + off, *k0 = keys.at(0, b) + h * Dk,
-                        *v0 = values.at(0, b) + h * Dk, *r0 = r_win + h * Dk;
-                T *dk0 = d_keys.at(0, b) + h * Dk, *dv0 = d_values.at(0, b) + h * Dk;
-                for (index_t j = 0; j < t; ++j) {  // dA_j = d_ctx·v_j,  dv_j += a_j·d_ctx
-                    ds[j] = dot(dc, v0 + j * values.slot_stride);
-                    axpy(a[j], dc, dv0 + j * d_values.slot_stride);
-                }
-                K::softmax_backward(1, t, a, t, ds, t, ds, t, scale);  // d raw score (the scale folded in)
-                T *dqu = d_qu.data() + off, *dq = d_q.data() + off;
-                for (index_t d = 0; d < Dk; ++d) dqu[d] = dq[d] = T(0);
-                for (index_t j = 0; j < t; ++j) {
-                    axpy(ds[j], qub, dk0 + j * d_keys.slot_stride);   // dk_j += ds_j·(q + u)
-                    axpy(ds[j], k0 + j * keys.slot_stride, dqu);      // d(q + u) += ds_j·k_j
-                    axpy(ds[j], r0 + j * D, dq);                      // dq += ds_j·R[P − t + j]
-                }
-            }
-        });
-        // Tables, per head: dR[P − t + j] += Σ_b ds[b, h, j]·q[b],  dS[P − t + j] += Σ_b ds[b, h, j].
-        T* dr_win = r_.touch_grad_rows(n_pos_ - t, n_pos_);
-        T* ds_win = s_.touch_grad_rows(n_pos_ - t, n_pos_);
-        for (index_t h = 0; h < H; ++h) {
-            K::gemm_tn(t, Dk, batch, d_scores + h * t, H * t, q.data() + h * Dk, D, dr_win + h * Dk, D, T(1));
-            for (index_t b = 0; b < batch; ++b) {
-                const T* ds = d_scores + (b * H + h) * t;
-                for (index_t j = 0; j < t; ++j) ds_win[j * H + h] += ds[j];
-            }
-        }
+        feedback_attention_state<T> st = state(batch, t, q.data(), qu.data(), keys, values);
+        st.saved_attn = cache.attn;
+        st.d_ctx = d_ctx.data();
+        st.d_scores = d_scores_.ensure(attn_size(batch, t));  // [B, H, t]
+        st.d_qu = d_qu.data();
+        st.d_q = d_q.data();
+        st.d_keys = d_keys;
+        st.d_values = d_values;
+        st.dr_win = r_.touch_grad_rows(n_pos_ - t, n_pos_);
+        st.ds_win = s_.touch_grad_rows(n_pos_ - t, n_pos_);
+        K::template feedback_attention_backward<extents>(st);
         K::sum_rows_accumulate(batch, D, d_qu.data(), D, u_.grad());            // du = Σ_b d(q + u)
         K::add(batch, D, d_q.data(), D, d_qu.data(), D, d_q.data(), D);         // dq = d(q + u) + positional part
         if (d_z.data()) {
@@ -242,25 +178,26 @@ public:
     const param<T, Backend>& query_pos_bias() const { return u_; }
 
 private:
-    // One head's d_k features: the per-(batch row, head) loops are too short for a GEMM call to pay
-    // off (t × d_k with d_k = 64), so they run as vectorised loops over d_k (a compile-time extent).
-    T dot(const T* a, const T* b) const {
-        T s = 0;
-#pragma omp simd reduction(+ : s)
-        for (index_t d = 0; d < Dk; ++d) s += a[d] * b[d];
-        return s;
-    }
-    // a·b + c·e in one pass.
-    T dot2(const T* a, const T* b, const T* c, const T* e) const {
-        T s = 0;
-#pragma omp simd reduction(+ : s)
-        for (index_t d = 0; d < Dk; ++d) s += a[d] * b[d] + c[d] * e[d];
-        return s;
-    }
-    // y += alpha·x
-    void axpy(T alpha, const T* x, T* y) const {
-#pragma omp simd
-        for (index_t d = 0; d < Dk; ++d) y[d] += alpha * x[d];
+    /// The extents the kernels take as compile-time constants (`dynamic` for a runtime shape).
+    static constexpr static_extents extents{d_model, heads, d_head};
+
+    /// The kernels' state for one step: shapes, queries, slots and the tables' window rows [P − t, P).
+    feedback_attention_state<T> state(index_t batch, index_t t, const T* q, const T* qu, memory_slots<const T> keys,
+                                      memory_slots<const T> values) {
+        feedback_attention_state<T> st;
+        st.batch = batch;
+        st.heads = H;
+        st.d_model = D;
+        st.d_head = Dk;
+        st.t = t;
+        st.scale = T(1) / std::sqrt(T(index_t(Dk)));
+        st.q = q;
+        st.qu = qu;
+        st.keys = keys;
+        st.values = values;
+        st.r_win = r_.value_rows(n_pos_ - t, n_pos_);  // R[P − t + j] for j = 0 … t − 1
+        st.s_win = s_.value_rows(n_pos_ - t, n_pos_);
+        return st;
     }
 
     // t, the number of memory slots, with the shape checks every entry point makes.

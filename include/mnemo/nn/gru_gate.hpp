@@ -29,109 +29,23 @@
 // in place). Backward reads all of d_out before writing dx and dy, so ONE of dx, dy may share d_out's
 // memory.
 //
-// The element-wise passes are plain loops in cpu_kernels::gru_pointwise below, reached through
-// gru_ops<Backend> (the seam a CUDA build specialises); the GEMMs go through ops<Backend>.
+// The element-wise passes are kernels of ops<Backend> (gru_gate_forward, gru_gate_backward;
+// kernels/cpu/gru.hpp for the CPU), as are the GEMMs.
 #include <cmath>
 #include <initializer_list>
 #include <string>
 
 #include "../core/buffer.hpp"
-#include "../core/parallel.hpp"
 #include "../core/config.hpp"
 #include "../core/rng.hpp"
 #include "module.hpp"
 
 namespace mnemo {
 
-namespace cpu_kernels {
-
-/// The element-wise halves of a GRU cell. Gate buffers are [rows, 3d] dense, columns r | z | n.
-/// Rows are independent, so threads split them (parallel_range: no OpenMP region for small inputs).
-struct gru_pointwise {
-    template <class T>
-    static T sigmoid(T a) {
-        return T(1) / (T(1) + std::exp(-a));
-    }
-
-    /// In: gi = y·W_ihᵀ, gh = x·W_hhᵀ (no biases), x [rows, d] dense. Out: out = the GRU output;
-    /// gi overwritten with r | z | n; gh's n columns overwritten with hn = x·W_hnᵀ + b_hn (its r and z
-    /// columns are left as they were). out may be x's memory (x[i, j] is read before out[i, j] is written).
-    template <class T>
-    static void forward(index_t rows, index_t d, T* gi, T* gh, const T* b_ih, const T* b_hh, const T* x, T* out,
-                        index_t ldo) {
-        parallel_range(rows, rows * d >= 65536, [&](index_t i_begin, index_t i_end) {
-        for (index_t i = i_begin; i < i_end; ++i) {
-            T* a = gi + i * 3 * d;
-            T* h = gh + i * 3 * d;
-            const T* xi = x + i * d;
-            T* o = out + i * ldo;
-            for (index_t j = 0; j < d; ++j) {
-                const T r = sigmoid(a[j] + b_ih[j] + h[j] + b_hh[j]);
-                const T z = sigmoid(a[d + j] + b_ih[d + j] + h[d + j] + b_hh[d + j]);
-                const T hn = h[2 * d + j] + b_hh[2 * d + j];
-                const T n = std::tanh(a[2 * d + j] + b_ih[2 * d + j] + r * hn);
-                const T xv = xi[j];
-                a[j] = r;
-                a[d + j] = z;
-                a[2 * d + j] = n;
-                h[2 * d + j] = hn;
-                o[j] = n + z * (xv - n);
-            }
-        }
-        });
-    }
-
-    /// In: act = r | z | n and gh (n columns = hn) as forward left them, x [rows, d] dense, g = d_out.
-    /// Out: dgi, dgh [rows, 3d] dense (assigned); dx = g ⊙ z (or += when accumulate_dx; skipped when dx
-    /// is null). g is read at each element before dx is written there, so dx may be g's memory.
-    template <class T>
-    static void backward(index_t rows, index_t d, const T* act, const T* gh, const T* x, const T* g, index_t ldg,
-                         T* dgi, T* dgh, T* dx, index_t ldx, bool accumulate_dx) {
-        parallel_range(rows, rows * d >= 65536, [&](index_t i_begin, index_t i_end) {
-        for (index_t i = i_begin; i < i_end; ++i) {
-            const T* a = act + i * 3 * d;
-            const T* hn = gh + i * 3 * d + 2 * d;
-            const T* xi = x + i * d;
-            const T* gr = g + i * ldg;
-            T* di = dgi + i * 3 * d;
-            T* dh = dgh + i * 3 * d;
-            T* dxi = dx ? dx + i * ldx : nullptr;
-            for (index_t j = 0; j < d; ++j) {
-                const T r = a[j], z = a[d + j], n = a[2 * d + j], gv = gr[j];
-                const T a_z = gv * (xi[j] - n) * z * (T(1) - z);
-                const T a_n = gv * (T(1) - z) * (T(1) - n * n);
-                const T a_r = a_n * hn[j] * r * (T(1) - r);
-                di[j] = a_r;
-                di[d + j] = a_z;
-                di[2 * d + j] = a_n;
-                dh[j] = a_r;
-                dh[d + j] = a_z;
-                dh[2 * d + j] = a_n * r;
-                if (dxi) dxi[j] = accumulate_dx ? dxi[j] + gv * z : gv * z;
-            }
-        }
-        });
-    }
-};
-
-}  // namespace cpu_kernels
-
-/// gru_ops<Backend>: the element-wise GRU kernels above, per backend (the seam a CUDA build
-/// specialises, as ops<Backend>). The primary template only names the missing backend.
-template <class Backend>
-struct gru_ops {
-    static_assert(dependent_false<Backend>,
-                  "mnemo: this backend has no GRU kernels: gru_ops<Backend> is not specialised for it");
-};
-template <>
-struct gru_ops<cpu> : cpu_kernels::gru_pointwise {};
-
-/// One torch.nn.GRUCell(D, D) step used as a gated residual: out = GRU(input y, hidden x). D may be
-/// `dynamic` (a runtime-shape model): it is then given at construction.
 template <class T, std::size_t D, class Backend = cpu>
 class gru_gate {
     using K = checked_ops<Backend>;
-    using G = gru_ops<Backend>;
+    using G = checked_ops<Backend>;
     [[no_unique_address]] extent_holder<D> d_;
     [[no_unique_address]] extent_holder<D == dynamic ? dynamic : 3 * D> d3_;
 
@@ -181,7 +95,7 @@ public:
         K::copy(rows, d_, y.data(), y.ld(), ys, d_);
         K::gemm_nt(rows, d3_, d_, ys, d_, weight_ih_.value(), d_, gi, d3_);
         K::gemm_nt(rows, d3_, d_, xs, d_, weight_hh_.value(), d_, gh, d3_);
-        G::forward(rows, d_, gi, gh, bias_ih_.value(), bias_hh_.value(), xs, out.data(), out.ld());
+        G::gru_gate_forward(rows, d_, gi, gh, bias_ih_.value(), bias_hh_.value(), xs, out.data(), out.ld());
     }
 
     /// dW_ih, dW_hh, db_ih, db_hh +=; dx (stream / hidden) and dy (sub-layer output / input) assigned,
@@ -208,7 +122,7 @@ public:
         }
         T* dgi = dgi_.ensure(rows * d3_);
         T* dgh = dgh_.ensure(rows * d3_);
-        G::backward(rows, d_, gi_.data(), gh_.data(), x_.data(), d_out.data(), d_out.ld(), dgi, dgh, dx.data(),
+        G::gru_gate_backward(rows, d_, gi_.data(), gh_.data(), x_.data(), d_out.data(), d_out.ld(), dgi, dgh, dx.data(),
                     dx.ld(), accumulate_dx);
         K::gemm_tn(d3_, d_, rows, dgi, d3_, y_.data(), d_, weight_ih_.grad(), d_, T(1));
         K::gemm_tn(d3_, d_, rows, dgh, d3_, x_.data(), d_, weight_hh_.grad(), d_, T(1));

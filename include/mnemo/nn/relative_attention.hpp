@@ -245,7 +245,7 @@ public:
                 st.thread_blocks = thread_blocks_.ensure(K::parallel_slots(batch_) * hq * (D + 1));
             }
         }
-        K::template relative_attention_forward<static_d_head>(st);
+        K::template relative_attention_forward<extents>(st);
         output_.forward(ctx, out);
     }
 
@@ -317,7 +317,7 @@ public:
             st.d_zkv = d_zkv.data();
             st.ld_dzkv = d_zkv.ld();
         }
-        K::template relative_attention_backward<static_d_head>(st);
+        K::template relative_attention_backward<extents>(st);
         K::sum_rows_accumulate(qb, D, dqu.data(), D, u_.grad());        // du = Σ rows d(q+u)
         K::add(qb, D, dq.data(), D, dqu.data(), D, dq.data(), D);        // dq = d(q+u) + positional part
 
@@ -372,8 +372,8 @@ private:
     }
     index_t window() const { return k_len_ + q_len_; }
 
-    /// d_k as a compile-time constant for the per-head kernels, 0 for a runtime shape.
-    static constexpr index_t static_d_head = d_head != dynamic ? index_t(d_head) : 0;
+    /// The extents the kernels take as compile-time constants (`dynamic` for a runtime shape).
+    static constexpr static_extents extents{d_model, heads, d_head};
 
     /// The kernels' state for this call: shapes and the pointers forward and backward share.
     relative_attention_state<T> core_state(const T* q, const T* qu, const T* kv, bool absorb) {

@@ -50,7 +50,7 @@ namespace mnemo {
 template <class T, std::size_t D, std::size_t Rate, class Backend = cpu>
 class conv_transpose_decoder {
     using K = checked_ops<Backend>;
-    using C = compression_ops<Backend>;
+    using C = checked_ops<Backend>;
     static_assert(expect_compression_rate<Rate>::value);
     [[no_unique_address]] extent_holder<D> d_;
     [[no_unique_address]] extent_holder<Rate> c_;

@@ -3,13 +3,17 @@
 // (CUB style), and is a static member of one of the kernel structs below; ops<cpu> gathers them.
 #include "../../core/backend.hpp"
 #include "activation.hpp"
+#include "compression.hpp"
 #include "cross_entropy.hpp"
 #include "dropout.hpp"
 #include "elementwise.hpp"
+#include "feedback_attention.hpp"
 #include "gemm.hpp"
+#include "gru.hpp"
 #include "head_products.hpp"
 #include "layer_norm.hpp"
 #include "linear_layer.hpp"
+#include "most_used.hpp"
 #include "relative_attention.hpp"
 #include "softmax.hpp"
 
@@ -22,6 +26,11 @@ struct ops<cpu> : cpu_kernels::gemm,
                   cpu_kernels::layer_norm,
                   cpu_kernels::linear_layer,
                   cpu_kernels::relative_attention_core,
+                  cpu_kernels::feedback_attention_core,
+                  cpu_kernels::compression,
+                  cpu_kernels::attention_usage,
+                  cpu_kernels::most_used_selection,
+                  cpu_kernels::gru_pointwise,
                   cpu_kernels::activation,
                   cpu_kernels::cross_entropy,
                   cpu_kernels::dropout,

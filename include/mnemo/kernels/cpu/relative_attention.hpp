@@ -23,9 +23,9 @@ namespace mnemo::cpu_kernels {
 
 namespace detail {
 
-/// One call's attention core over the state's pointers. StaticDk: d_k as a compile-time width for the
-/// per-head products (a static config's), 0 for a runtime one.
-template <class T, index_t StaticDk>
+/// One call's attention core over the state's pointers. E: the extents that are compile-time constants
+/// (a static config's), so the loops compile as they would inside the module.
+template <class T, static_extents E>
 class relative_attention_pass {
     struct K : gemm, softmax, elementwise, head_products {};
 
@@ -172,28 +172,28 @@ private:
     // with the runtime width of a runtime-shape model otherwise (the same routes and sums).
     template <class... A>
     void head_gemm_nt(A... a) const {
-        if constexpr (StaticDk != 0) K::template head_gemm_nt<StaticDk>(a...);
-        else K::head_gemm_nt(Dk, a...);
+        if constexpr (E.d_head != dynamic) K::template head_gemm_nt<index_t(E.d_head)>(a...);
+        else K::head_gemm_nt(index_t(Dk), a...);
     }
     template <class... A>
     void head_gemm_nn(A... a) const {
-        if constexpr (StaticDk != 0) K::template head_gemm_nn<StaticDk>(a...);
-        else K::head_gemm_nn(Dk, a...);
+        if constexpr (E.d_head != dynamic) K::template head_gemm_nn<index_t(E.d_head)>(a...);
+        else K::head_gemm_nn(index_t(Dk), a...);
     }
     template <class... A>
     void head_gemm_tn(A... a) const {
-        if constexpr (StaticDk != 0) K::template head_gemm_tn<StaticDk>(a...);
-        else K::head_gemm_tn(Dk, a...);
+        if constexpr (E.d_head != dynamic) K::template head_gemm_tn<index_t(E.d_head)>(a...);
+        else K::head_gemm_tn(index_t(Dk), a...);
     }
     template <class... A>
     void heads_dot_rows(A... a) const {
-        if constexpr (StaticDk != 0) K::template heads_dot_rows<StaticDk>(a...);
-        else K::heads_dot_rows(Dk, a...);
+        if constexpr (E.d_head != dynamic) K::template heads_dot_rows<index_t(E.d_head)>(a...);
+        else K::heads_dot_rows(index_t(Dk), a...);
     }
     template <class... A>
     void heads_weighted_rows(A... a) const {
-        if constexpr (StaticDk != 0) K::template heads_weighted_rows<StaticDk>(a...);
-        else K::heads_weighted_rows(Dk, a...);
+        if constexpr (E.d_head != dynamic) K::template heads_weighted_rows<index_t(E.d_head)>(a...);
+        else K::heads_weighted_rows(index_t(Dk), a...);
     }
 
     /// The per-(batch, head) loops go to threads when they hold enough work: about 64K multiply-adds
@@ -466,22 +466,26 @@ private:
     }
 
     const relative_attention_state<T>& s;
-    index_t batch_, H, D, Dk, q_len_, k_len_, clamp_len_;
+    index_t batch_;
+    [[no_unique_address]] extent_holder<E.heads> H;
+    [[no_unique_address]] extent_holder<E.d_model> D;
+    [[no_unique_address]] extent_holder<E.d_head> Dk;
+    index_t q_len_, k_len_, clamp_len_;
 };
 
 }  // namespace detail
 
 struct relative_attention_core {
-    /// The attention core's forward (see relative_attention_state). StaticDk: d_k when it is a
-    /// compile-time constant, else 0.
-    template <index_t StaticDk, class T>
+    /// The attention core's forward (see relative_attention_state). E: the extents that are
+    /// compile-time constants.
+    template <static_extents E, class T>
     static void relative_attention_forward(const relative_attention_state<T>& s) {
-        detail::relative_attention_pass<T, StaticDk>(s).forward();
+        detail::relative_attention_pass<T, E>(s).forward();
     }
     /// The attention core's backward, after forward of the same state.
-    template <index_t StaticDk, class T>
+    template <static_extents E, class T>
     static void relative_attention_backward(const relative_attention_state<T>& s) {
-        detail::relative_attention_pass<T, StaticDk>(s).backward();
+        detail::relative_attention_pass<T, E>(s).backward();
     }
 
     /// Scratch blocks a per-batch-element kernel may use at once over n elements: one per thread that
