@@ -435,3 +435,78 @@ module_run run_feedback_step() {
 TEST_CASE("fenced backend: a feedback attention step matches the CPU bitwise") {
     check_same(run_feedback_step<cpu>(), run_feedback_step<fenced>());
 }
+
+namespace {
+
+struct model_run {
+    std::vector<double> ce, ar;
+    std::vector<std::vector<float>> grads;
+    index_t compressed = 0;  // memory slots compressed over the segments
+};
+
+/// Four training segments and one evaluation segment of a compressive_transformer<float, config<16, 4, 2>,
+/// Compression, B> with memory 6 and compressed memory 4 (Transformer-XL: none), batch 2, segment 4:
+/// the losses, every segment's parameter gradients and the last logits.
+template <template <class, std::size_t, std::size_t, class> class Compression, class B>
+model_run run_model(compressive_options o, index_t c_mem_len, bool padded) {
+    using model_t = compressive_transformer<float, config<16, 4, 2>, Compression, B>;
+    o.vocab = 7;
+    o.n_layers = 2;
+    o.d_ff = 24;
+    o.n_pos = 32;
+    model_t model(o);
+    model.reset_parameters(3);
+    auto mem = model.make_memory(6, c_mem_len);
+    const index_t batch = 2, q = 4;
+    model_run r;
+    rng g(17);
+    for (int seg = 0; seg < 5; ++seg) {
+        std::vector<token_t> tokens(std::size_t(q * batch)), targets(tokens.size());
+        for (auto& t : tokens) t = token_t(g.uniform(0, 7));
+        for (auto& t : targets) t = token_t(g.uniform(0, 7));
+        std::vector<std::uint8_t> pad(tokens.size(), 0);
+        if (padded && seg == 0) pad[0] = pad[2] = 1;  // the first positions of batch element 0
+        if (padded && seg == 0) targets[0] = targets[2] = -1;
+        model.parameters().zero_grad();
+        segment_losses l = seg < 4 ? model.train_segment(tokens, targets, batch, mem, pad)
+                                   : model.eval_segment(tokens, targets, batch, mem, pad);
+        r.ce.push_back(l.ce);
+        r.ar.push_back(l.ar);
+        r.compressed += l.compressed;
+        std::vector<float> grads(std::size_t(model.parameters().size()));
+        model.parameters().download_all_grads(grads);
+        r.grads.push_back(std::move(grads));
+    }
+    return r;
+}
+
+void check_same(const model_run& c, const model_run& f, bool compresses = true) {
+    CHECK((c.compressed > 0) == compresses);  // the merges compressed (the reconstruction losses ran)
+    CHECK(c.ce == f.ce);
+    CHECK(c.ar == f.ar);
+    CHECK(c.grads == f.grads);
+}
+
+}  // namespace
+
+TEST_CASE("fenced backend: compressive transformer and Transformer-XL training segments match the CPU bitwise") {
+    SUBCASE("conv compression, pre-LN, attention reconstruction, padding") {
+        check_same(run_model<conv_compression, cpu>({}, 4, true), run_model<conv_compression, fenced>({}, 4, true));
+    }
+    SUBCASE("max pooling, post-LN") {
+        compressive_options o{.norm = norm_kind::post};
+        check_same(run_model<max_pool_compression, cpu>(o, 4, false), run_model<max_pool_compression, fenced>(o, 4, false));
+    }
+    SUBCASE("mean pooling, GRU gates, one memory layer") {
+        compressive_options o{.residual = residual_kind::gru, .memory_layers = {1}};
+        check_same(run_model<mean_pool_compression, cpu>(o, 4, false), run_model<mean_pool_compression, fenced>(o, 4, false));
+    }
+    SUBCASE("dilated convolutions, auto-encoding loss") {
+        compressive_options o{.reconstruction = reconstruction_kind::autoencoding};
+        check_same(run_model<dilated_conv_compression, cpu>(o, 4, false),
+                   run_model<dilated_conv_compression, fenced>(o, 4, false));
+    }
+    SUBCASE("Transformer-XL") {
+        check_same(run_model<no_compression, cpu>({}, 0, true), run_model<no_compression, fenced>({}, 0, true), false);
+    }
+}

@@ -15,6 +15,8 @@
 //                 mean_pool_time_forward, mean_pool_time_backward, most_used_forward, most_used_backward,
 //                 accumulate_key_usage
 //   GRU gate      gru_gate_forward, gru_gate_backward
+//   losses        squared_difference_rows, reconstruction_keep, key_value_projections,
+//                 plain_attention_forward, plain_attention_backward (the reconstruction losses)
 //   softmax       softmax_forward, softmax_backward (masked rows), softmax_contiguous
 //   layer norm    layer_norm_forward, layer_norm_backward
 //   linear        linear_backward (weight, bias and input gradients of y = x·Wᵀ + b)
@@ -26,7 +28,8 @@
 //   activations   activation_forward, activation_backward (tag-dispatched), relu_forward, relu_backward
 //   loss          cross_entropy_fused, cross_entropy_check_targets
 //   dropout       dropout_forward, dropout_backward
-//   element-wise  add_bias_rows, sum_rows_accumulate, add, copy, scale, gather_rows, scatter_add_rows
+//   element-wise  add_bias_rows, sum_rows_accumulate, add, copy, scale, gather_rows, scatter_add_rows,
+//                 scale_shift_rows, sum_as_double
 #include "../core/backend.hpp"
 
 #define MNEMO_KERNELS(X)                                                                                     \
@@ -41,9 +44,12 @@
     X(im2col_time) X(col2im_time) X(max_pool_time_forward) X(max_pool_time_backward)                        \
     X(mean_pool_time_forward) X(mean_pool_time_backward) X(most_used_forward) X(most_used_backward)         \
     X(accumulate_key_usage) X(gru_gate_forward) X(gru_gate_backward)                                        \
+    X(squared_difference_rows) X(reconstruction_keep) X(key_value_projections)                              \
+    X(plain_attention_forward) X(plain_attention_backward)                                                  \
     X(cross_entropy_fused) X(cross_entropy_check_targets)                                                   \
     X(dropout_forward) X(dropout_backward)                                                                  \
-    X(add_bias_rows) X(sum_rows_accumulate) X(add) X(copy) X(scale) X(gather_rows) X(scatter_add_rows)
+    X(add_bias_rows) X(sum_rows_accumulate) X(add) X(copy) X(scale) X(gather_rows) X(scatter_add_rows)   \
+    X(scale_shift_rows) X(sum_as_double)
 
 namespace mnemo {
 namespace detail::kernel_probe {

@@ -237,11 +237,8 @@ public:
             return nullptr;
         T* z = z_.data() + c_rows_ * D;
         if (z_mem_unwritten_) {
-            const T *g = norm_self_attn_.weight().value(), *be = norm_self_attn_.bias().value();
-            const T* zh = zhat_.data() + c_rows_ * D;
-            for (index_t r = 0; r < std::min(rows, mem_rows_ - c_rows_); ++r)
-#pragma omp simd
-                for (index_t i = 0; i < D; ++i) z[r * D + i] = zh[r * D + i] * g[i] + be[i];
+            K::scale_shift_rows(std::min(rows, mem_rows_ - c_rows_), index_t(D), zhat_.data() + c_rows_ * D, index_t(D),
+                                norm_self_attn_.weight().value(), norm_self_attn_.bias().value(), z, index_t(D));
         }
         return z;
     }
@@ -600,8 +597,9 @@ public:
         K::cross_entropy_fused(rows_, v, logits_.data(), v, targets.data(), losses, scale,
                                d_logits_.ensure(rows_ * v), v);
         has_d_logits_ = with_grad;
-        double sum = 0;
-        for (index_t i = 0; i < rows_; ++i) sum += double(losses[i]);
+        K::sum_as_double(rows_, losses, loss_sum_.ensure(1));
+        double sum = 0;  // the host path: the loss is returned now
+        device_memory<Backend>::download(&sum, loss_sum_.data(), sizeof(double));
         return counted > 0 ? sum / double(counted) : 0.0;
     }
 
@@ -790,7 +788,7 @@ private:
                       "output [batch][heads][Q][K])");
         const index_t q = rows_ / batch_, c = mem.c_mem_slots(), k = c + mem.mem_slots() + q;
         T* all = usage_all_.ensure(k * batch_);
-        std::fill(all, all + k * batch_, T(0));
+        device_memory<Backend>::fill_zero(all, sizeof(T) * std::size_t(k * batch_));
         checked_ops<Backend>::accumulate_key_usage(batch_, options_.heads, q, k, attn.attention_weights(), all);
         usage_[std::size_t(s)].assign(all + c * batch_, all + k * batch_);
     }
@@ -876,6 +874,7 @@ private:
     }
     std::vector<buffer<T, Backend>> xs_;  // layer inputs [Q·B, D]; xs_[L] is the last layer's output
     buffer<T, Backend> hn_, logits_, ce_rows_, d_logits_, dhn_;
+    buffer<double, Backend> loss_sum_;  // the cross-entropy rows' sum
     buffer<T, Backend> dx_[2];
     std::vector<aligned_vector<T>> usage_;  // most-used: per memory slot, the last forward's usage
     buffer<T, Backend> usage_all_;

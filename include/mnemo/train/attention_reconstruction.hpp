@@ -28,7 +28,6 @@
 #include <cstdint>
 #include <vector>
 
-#include "../core/parallel.hpp"
 #include "../core/buffer.hpp"
 #include "../nn/layer_norm.hpp"
 #include "../nn/relative_attention.hpp"
@@ -110,85 +109,50 @@ public:
             attn.query().forward(hn, qw);
             q = qw;
         }
-        // Keys on one thread, values on the other (A: four 256- and 128-row products that two
-        // threads each split poorly; gemm::concurrent_pair).
-        parallel_invoke(
-            K::concurrent_pair(mb, D, D),
-            [&] {
-                attn.key().forward(mn, km);
-                attn.key().forward(cn, kc);
-            },
-            [&] {
-                attn.value().forward(mn, vm);
-                attn.value().forward(cn, vc);
-            });
+        K::key_value_projections(mb, cb, index_t(D), mn.data(), mn.ld(), cn.data(), cn.ld(),
+                                 attn.key().weight().value(), attn.value().weight().value(),
+                                 attn.value().bias().value(), km.data(), kc.data(), vm.data(), vc.data());
 
         view<T, DM, Backend> out_m(out_m_.ensure(qb * D), qb, D), out_c(out_c_.ensure(qb * D), qb, D);
         T* a_m = a_m_.ensure(batch * H * q_len * m_len);
         T* a_c = a_c_.ensure(batch * H * q_len * c_len);
         // Key masks [B, n] (1 = visible) from the padding of m and of the compressed slots.
-        const std::uint8_t *keep_m = nullptr, *keep_c = nullptr;
+        const std::uint8_t *keep_m = nullptr, *keep_c = nullptr, *any_m = nullptr, *any_c = nullptr;
         if (m_pad) {
-            const index_t rate = c_len > 0 ? m_len / c_len : 1;
-            std::uint8_t* km_keep = keep_m_.ensure(batch * m_len);
-            std::uint8_t* kc_keep = keep_c_.ensure(batch * c_len);
-            any_m_.assign(std::size_t(batch), 0);
-            any_c_.assign(std::size_t(batch), 0);
-            for (index_t b = 0; b < batch; ++b) {
-                for (index_t s = 0; s < m_len; ++s) {
-                    const bool pad = m_pad[s * batch + b] != 0;
-                    km_keep[b * m_len + s] = pad ? 0 : 1;
-                    any_m_[std::size_t(b)] |= std::uint8_t(pad);
-                }
-                for (index_t s = 0; s < c_len; ++s) {
-                    bool all = true;
-                    for (index_t t = 0; t < rate; ++t) all = all && m_pad[(s * rate + t) * batch + b] != 0;
-                    kc_keep[b * c_len + s] = all ? 0 : 1;
-                    any_c_[std::size_t(b)] |= std::uint8_t(all);
-                }
-            }
-            keep_m = km_keep;
-            keep_c = kc_keep;
+            K::reconstruction_keep(batch, m_len, c_len, m_pad, keep_m_.ensure(batch * m_len),
+                                   keep_c_.ensure(batch * c_len), any_m_.ensure(batch), any_c_.ensure(batch));
+            keep_m = keep_m_.data();
+            keep_c = keep_c_.data();
+            any_m = any_m_.data();
+            any_c = any_c_.data();
         }
-        plain_attention(q, km, vm, a_m, out_m, batch, q_len, m_len, keep_m, any_m_.data());
-        plain_attention(q, kc, vc, a_c, out_c, batch, q_len, c_len, keep_c, any_c_.data());
+        const T scale = T(1) / std::sqrt(T(index_t(Dk)));
+        K::template plain_attention_forward<extents>(batch, H, D, Dk, q_len, m_len, scale, q.data(), km.data(),
+                                                     vm.data(), a_m, out_m.data(), keep_m, any_m);
+        K::template plain_attention_forward<extents>(batch, H, D, Dk, q_len, c_len, scale, q.data(), kc.data(),
+                                                     vc.data(), a_c, out_c.data(), keep_c, any_c);
 
         // MSE over the unpadded query rows, summed in double in a fixed order; d out_c = 2 (out_c − out_m) / N.
         index_t rows_counted = qb;
         if (h_pad)
             for (index_t r = 0; r < qb; ++r) rows_counted -= h_pad[r] != 0;
         const index_t n = rows_counted * D;
-        double sum = 0;
         T* diff = diff_.ensure(qb * D);
-        for (index_t r = 0; r < qb; ++r) {
-            const bool skip = h_pad && h_pad[r];
-            for (index_t i = r * D; i < (r + 1) * D; ++i) {
-                diff[i] = skip ? T(0) : out_c.data()[i] - out_m.data()[i];
-                if (!skip) sum += double(diff[i]) * double(diff[i]);
-            }
-        }
+        K::squared_difference_rows(qb, index_t(D), out_c.data(), index_t(D), out_m.data(), index_t(D), h_pad, diff,
+                                   index_t(D), sum_.ensure(1));
         if (n == 0) return T(0);
+        double sum = 0;  // the host path: the loss is returned now
+        device_memory<Backend>::download(&sum, sum_.data(), sizeof(double));
         const T loss = T(sum / double(n));
         if (!with_grad || !Compression::has_parameters) return loss;
 
         const T g = T(2) / T(n);
-        for (index_t i = 0; i < qb * D; ++i) diff[i] *= g;  // now d loss / d out_c (0 on padded rows)
+        K::scale(1, qb * D, diff, qb * D, g, diff, qb * D);  // now d loss / d out_c (0 on padded rows)
         view<T, DM, Backend> dkc(dkc_.ensure(cb * D), cb, D), dvc(dvc_.ensure(cb * D), cb, D),
             dcn(dcn_.ensure(cb * D), cb, D), dcm(dcm_.ensure(cb * D), cb, D);
         T* da = da_.ensure(batch * H * q_len * c_len);
-        const T scale = T(1) / std::sqrt(T(index_t(Dk)));
-        const index_t ld = batch * D;
-        parallel_range(batch * H, true, [&](index_t begin, index_t end) {
-            for (index_t bh = begin; bh < end; ++bh) {
-                const index_t b = bh / H, hh = bh % H;
-                const index_t off = b * D + hh * Dk, a_off = (b * H + hh) * q_len * c_len;
-                T* dab = da + a_off;
-                head_gemm_nt(q_len, c_len, diff + off, ld, vc.data() + off, ld, dab, c_len);      // dA
-                head_gemm_tn(q_len, c_len, a_c + a_off, c_len, diff + off, ld, dvc.data() + off, ld);  // dv
-                K::softmax_backward(q_len, c_len, a_c + a_off, c_len, dab, c_len, dab, c_len, scale);
-                head_gemm_tn(q_len, c_len, dab, c_len, q.data() + off, ld, dkc.data() + off, ld);  // dk
-            }
-        });
+        K::template plain_attention_backward<extents>(batch, H, D, Dk, q_len, c_len, scale, q.data(), vc.data(), a_c,
+                                                      diff, da, dkc.data(), dvc.data());
         attn.key().backward_input(dkc, dcn);
         attn.value().backward_input(dvc, dcn, true);
         if (norm) norm->backward_input(cm, dcn, dcm, st_c);
@@ -197,53 +161,14 @@ public:
     }
 
 private:
-    // out [Q·B, D] = per (b, head) softmax(scale·q·kᵀ)·v over all n keys; a [B, H, Q, n] saved.
-    // keep [B, n] (optional, 1 = visible) masks keys of the batch elements with any[b] set.
-    void plain_attention(view<const T, DM, Backend> q, view<const T, DM, Backend> k, view<const T, DM, Backend> v,
-                         T* a, view<T, DM, Backend> out, index_t batch, index_t q_len, index_t n,
-                         const std::uint8_t* keep = nullptr, const std::uint8_t* any = nullptr) const {
-        const T scale = T(1) / std::sqrt(T(index_t(Dk)));
-        const index_t ld = batch * D;
-        parallel_range(batch * H, true, [&](index_t begin, index_t end) {
-            for (index_t bh = begin; bh < end; ++bh) {
-                const index_t b = bh / H, hh = bh % H;
-                const index_t off = b * D + hh * Dk;
-                T* ab = a + (b * H + hh) * q_len * n;
-                head_gemm_nt(q_len, n, q.data() + off, ld, k.data() + off, ld, ab, n);
-                softmax_mask mask{};
-                if (keep && any[b]) {
-                    mask.keep = keep + b * n;
-                    mask.ld_keep = 0;
-                }
-                if (!mask.keep) K::softmax_contiguous(q_len, n, ab, scale);
-                else K::softmax_forward(q_len, n, ab, n, ab, n, scale, mask);
-                head_gemm_nn(q_len, n, ab, n, v.data() + off, ld, out.data() + off, ld);
-            }
-        });
-    }
-
-    // The per-head products with d_head a compile-time width (static config) or a runtime one.
-    template <class... A>
-    void head_gemm_nt(A... a) const {
-        if constexpr (Config::d_head != dynamic) K::template head_gemm_nt<index_t(Config::d_head)>(a...);
-        else K::head_gemm_nt(index_t(Dk), a...);
-    }
-    template <class... A>
-    void head_gemm_nn(A... a) const {
-        if constexpr (Config::d_head != dynamic) K::template head_gemm_nn<index_t(Config::d_head)>(a...);
-        else K::head_gemm_nn(index_t(Dk), a...);
-    }
-    template <class... A>
-    void head_gemm_tn(A... a) const {
-        if constexpr (Config::d_head != dynamic) K::template head_gemm_tn<index_t(Config::d_head)>(a...);
-        else K::head_gemm_tn(index_t(Dk), a...);
-    }
+    /// The extents the kernels take as compile-time constants (`dynamic` for a runtime shape).
+    static constexpr static_extents extents{Config::d_model, Config::heads, Config::d_head};
 
     buffer<T, Backend> cm_, hn_, mn_, cn_, q_, km_, vm_, kc_, vc_, out_m_, out_c_, a_m_, a_c_, diff_;
     buffer<T, Backend> st_c_, st_c_r_;
     buffer<T, Backend> dkc_, dvc_, dcn_, dcm_, da_;
-    buffer<std::uint8_t> keep_m_, keep_c_;
-    std::vector<std::uint8_t> any_m_, any_c_;
+    buffer<double, Backend> sum_;  // the squared differences' sum
+    buffer<std::uint8_t, Backend> keep_m_, keep_c_, any_m_, any_c_;
 };
 
 }  // namespace mnemo

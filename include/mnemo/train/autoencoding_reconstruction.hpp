@@ -76,8 +76,8 @@ public:
     /// weight.size(1) · kernel = out_channels · Rate). Weight first, then bias.
     void reset_parameters(rng& r) const {
         const double bound = 1.0 / std::sqrt(static_cast<double>(k_));
-        for (index_t i = 0; i < weight_.size(); ++i) weight_.value()[i] = static_cast<T>(r.uniform(-bound, bound));
-        for (index_t i = 0; i < bias_.size(); ++i) bias_.value()[i] = static_cast<T>(r.uniform(-bound, bound));
+        weight_.generate([&] { return r.uniform(-bound, bound); });
+        bias_.generate([&] { return r.uniform(-bound, bound); });
     }
 
     /// Rows of the decoded memory for `cm_rows` compressed rows: cm_rows · Rate.
@@ -176,20 +176,15 @@ public:
 
         // MSE, summed in double in a fixed order; y becomes y − m.
         const index_t n = mb * d_;
-        double sum = 0;
-        for (index_t r = 0; r < mb; ++r) {
-            T* yr = y.row(r);
-            const T* mr = m.row(r);
-            for (index_t i = 0; i < d_; ++i) {
-                yr[i] -= mr[i];
-                sum += double(yr[i]) * double(yr[i]);
-            }
-        }
+        K::squared_difference_rows(mb, index_t(d_), y.data(), y.ld(), m.data(), m.ld(), nullptr, y.data(), y.ld(),
+                                   sum_.ensure(1));
+        double sum = 0;  // the host path: the loss is returned now
+        device_memory<Backend>::download(&sum, sum_.data(), sizeof(double));
         const double loss = sum / double(n);
         if (!with_grad) return loss;
 
         const T scale = static_cast<T>(2.0 / double(n));
-        for (index_t i = 0; i < n; ++i) y.data()[i] *= scale;  // now d loss / d y
+        K::scale(mb, index_t(d_), y.data(), y.ld(), scale, y.data(), y.ld());  // now d loss / d y
         if constexpr (Compression::has_parameters) {
             view<T, D, Backend> dcm(dcm_.ensure(cb * d_), cb, d_);
             g.backward(view<const T, D, Backend>(cm), batch, view<const T, D, Backend>(y), dcm);
@@ -201,7 +196,9 @@ public:
     }
 
 private:
+    using K = checked_ops<Backend>;
     buffer<T, Backend> cm_, y_, dcm_;  // f_c(m) [n·batch, D], g(cm) then its gradient [n·Rate·batch, D], d cm
+    buffer<double, Backend> sum_;      // the squared differences' sum
 };
 
 }  // namespace mnemo

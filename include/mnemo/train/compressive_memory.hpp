@@ -44,6 +44,8 @@
 #include "../core/config.hpp"
 #include "../core/error.hpp"
 #include "../core/view.hpp"
+#include "../kernels/cpu/ops.hpp"
+#include "../kernels/kernel_table.hpp"
 
 namespace mnemo {
 
@@ -181,7 +183,7 @@ public:
             const auto x = new_inputs(l);
             MNEMO_CHECK(x.rows() == q_rows, "memory: layer ", l, " has ", x.rows(), " new rows, layer 0 has ", q_rows);
             T* fresh = s.mem.grow(q_rows * d_);
-            for (index_t r = 0; r < q_rows; ++r) std::memcpy(fresh + r * d_, x.row(r), sizeof(T) * std::size_t(d_));
+            checked_ops<Backend>::copy(q_rows, index_t(d_), x.data(), x.ld(), fresh, index_t(d_));
             s.away = nullptr;
             if (n_old > 0) {
                 s.away = s.mem.data();  // stays in place: drop_front moves only the window's start
@@ -225,12 +227,12 @@ private:
     public:
         // Empties the window over a buffer of `capacity` elements (allocates only if it grows).
         void reset(index_t capacity) {
-            if (index_t(buf_.size()) < capacity) buf_.resize(std::size_t(capacity));
+            buf_.ensure(capacity);
             off_ = size_ = 0;
         }
         // `n` elements at the buffer's front, contents to be written by the caller.
         void assign_size(index_t n) {
-            if (index_t(buf_.size()) < n) buf_.resize(std::size_t(n));
+            buf_.ensure(n);
             off_ = 0;
             size_ = n;
         }
@@ -240,10 +242,11 @@ private:
         // the window, the window is first moved to the buffer's front (and the buffer grown if that
         // is still too short, which a merge within reset()'s reserve never needs).
         T* grow(index_t n) {
-            if (off_ + size_ + n > index_t(buf_.size())) {
-                if (off_ > 0 && size_ > 0) std::memmove(buf_.data(), buf_.data() + off_, sizeof(T) * std::size_t(size_));
+            if (off_ + size_ + n > buf_.capacity()) {
+                if (off_ > 0 && size_ > 0)
+                    device_memory<Backend>::copy(buf_.data(), buf_.data() + off_, sizeof(T) * std::size_t(size_));
                 off_ = 0;
-                if (size_ + n > index_t(buf_.size())) buf_.resize(std::size_t(2 * (size_ + n)));
+                if (size_ + n > buf_.capacity()) buf_.ensure(2 * (size_ + n));  // keeps the window's contents
             }
             T* p = buf_.data() + off_ + size_;
             size_ += n;
@@ -256,7 +259,7 @@ private:
         }
 
     private:
-        aligned_vector<T> buf_;
+        buffer<T, Backend> buf_;
         index_t off_ = 0, size_ = 0;
     };
 

@@ -55,6 +55,26 @@ struct elementwise {
         });
     }
 
+    /// y[i, :] = x[i, :]∘g + b (one thread: a layer's memory rows, short)
+    template <class T>
+    static void scale_shift_rows(index_t rows, index_t n, const T* x, index_t ldx, const T* g, const T* b, T* y,
+                                 index_t ldy) {
+        for (index_t r = 0; r < rows; ++r) {
+            const T* xr = x + r * ldx;
+            T* yr = y + r * ldy;
+#pragma omp simd
+            for (index_t i = 0; i < n; ++i) yr[i] = xr[i] * g[i] + b[i];
+        }
+    }
+
+    /// sum[0] = Σ x[i] in double, in index order (a loss's per-row values).
+    template <class T>
+    static void sum_as_double(index_t n, const T* x, double* sum) {
+        double s = 0;
+        for (index_t i = 0; i < n; ++i) s += double(x[i]);
+        *sum = s;
+    }
+
     /// y[i, :] = x[i, :]   (y += x when accumulate)
     template <class T>
     static void copy(index_t rows, index_t n, const T* x, index_t ldx, T* y, index_t ldy, bool accumulate = false) {

@@ -14,6 +14,7 @@
 #include "layer_norm.hpp"
 #include "linear_layer.hpp"
 #include "most_used.hpp"
+#include "reconstruction.hpp"
 #include "relative_attention.hpp"
 #include "softmax.hpp"
 
@@ -31,6 +32,7 @@ struct ops<cpu> : cpu_kernels::gemm,
                   cpu_kernels::attention_usage,
                   cpu_kernels::most_used_selection,
                   cpu_kernels::gru_pointwise,
+                  cpu_kernels::reconstruction,
                   cpu_kernels::activation,
                   cpu_kernels::cross_entropy,
                   cpu_kernels::dropout,
