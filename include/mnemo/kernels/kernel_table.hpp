@@ -29,7 +29,7 @@
 //   loss          cross_entropy_fused, cross_entropy_check_targets
 //   dropout       dropout_forward, dropout_backward
 //   element-wise  add_bias_rows, sum_rows_accumulate, add, copy, scale, gather_rows, scatter_add_rows,
-//                 scale_shift_rows, sum_as_double
+//                 scale_shift_rows, sum_as_double, axpy, weighted_sum_rows
 #include "../core/backend.hpp"
 
 #define MNEMO_KERNELS(X)                                                                                     \
@@ -49,7 +49,7 @@
     X(cross_entropy_fused) X(cross_entropy_check_targets)                                                   \
     X(dropout_forward) X(dropout_backward)                                                                  \
     X(add_bias_rows) X(sum_rows_accumulate) X(add) X(copy) X(scale) X(gather_rows) X(scatter_add_rows)   \
-    X(scale_shift_rows) X(sum_as_double)
+    X(scale_shift_rows) X(sum_as_double) X(axpy) X(weighted_sum_rows)
 
 namespace mnemo {
 namespace detail::kernel_probe {

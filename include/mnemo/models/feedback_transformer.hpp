@@ -285,7 +285,7 @@ public:
             value_.emplace(params_, "transformer.value.linear", D, D, false);
         }
         params_.allocate();
-        for (index_t l = 0; l <= o.n_layers; ++l) weights_.value()[l] = T(1);
+        weights_.fill(T(1));
         acts_.layers.resize(std::size_t(o.n_layers));
         acts_.y.resize(std::size_t(o.n_layers + 1));
         grads_.resize(std::size_t(o.n_layers));
@@ -297,6 +297,8 @@ public:
         value_ptrs_.resize(std::size_t(n_kv()));
         mix_.resize(std::size_t(o.n_layers + 1));
         mix_grad_.resize(std::size_t(o.n_layers + 1));
+        mix_host_.resize(std::size_t(o.n_layers + 1));
+        mix_inputs_.resize(std::size_t(o.n_layers + 1));
     }
     feedback_transformer(const feedback_transformer&) = delete;
     feedback_transformer& operator=(const feedback_transformer&) = delete;
@@ -359,8 +361,9 @@ public:
         K::cross_entropy_fused(rows_, v, logits_.data(), v, targets.data(), losses, scale, d_logits_.ensure(rows_ * v),
                                v);
         has_d_logits_ = with_grad;
-        double sum = 0;
-        for (index_t i = 0; i < rows_; ++i) sum += double(losses[i]);
+        K::sum_as_double(rows_, losses, loss_sum_.ensure(1));
+        double sum = 0;  // the host path: the loss is returned now
+        device_memory<Backend>::download(&sum, loss_sum_.data(), sizeof(double));
         return counted > 0 ? sum / double(counted) : 0.0;
     }
 
@@ -378,8 +381,8 @@ public:
             norm_.backward(y(acts_, L, 0, rows), cview_d(dhn), d_final);
         }
         for (index_t i = 0; i < n_kv(); ++i) {
-            std::memset(d_keys_[std::size_t(i)].ensure(rows * D), 0, sizeof(T) * std::size_t(rows * D));
-            std::memset(d_values_[std::size_t(i)].ensure(rows * D), 0, sizeof(T) * std::size_t(rows * D));
+            device_memory<Backend>::fill_zero(d_keys_[std::size_t(i)].ensure(rows * D), sizeof(T) * std::size_t(rows * D));
+            device_memory<Backend>::fill_zero(d_values_[std::size_t(i)].ensure(rows * D), sizeof(T) * std::size_t(rows * D));
         }
         T* d_mem = d_mem_.ensure(rows * D);
         T* d_emb = d_emb_.ensure(rows * D);
@@ -400,17 +403,22 @@ public:
                               view_d());
         }
         embed_.backward(tokens, cview_d(d_emb, rows, D));
-        // d w = softmax backward of G_l = Σ ⟨y_l, d mem⟩ over every step.
+        // d w = softmax backward of G_l = Σ ⟨y_l, d mem⟩ over every step: the L + 1 dot products on
+        // the backend, the softmax backward of L + 1 numbers on the host (in double), added back.
+        T* dots = mix_dots_.ensure(L + 1);
+        for (index_t l = 0; l <= L; ++l)
+            K::gemm_nt(1, 1, rows * D, acts_.y[std::size_t(l)].data(), rows * D, d_mem, rows * D, dots + l, 1);
+        device_memory<Backend>::download(mix_host_.data(), dots, sizeof(T) * std::size_t(L + 1));
         double* gl = mix_grad_.data();
         double sg = 0;
         for (index_t l = 0; l <= L; ++l) {
-            T dot = 0;
-            K::gemm_nt(1, 1, rows * D, acts_.y[std::size_t(l)].data(), rows * D, d_mem, rows * D, &dot, 1);
-            gl[l] = double(dot);
+            gl[l] = double(mix_host_[std::size_t(l)]);
             sg += double(mix_[std::size_t(l)]) * gl[l];
         }
-        for (index_t l = 0; l <= L; ++l)
-            weights_.grad()[l] += T(double(mix_[std::size_t(l)]) * (gl[l] - sg));
+        for (index_t l = 0; l <= L; ++l) mix_host_[std::size_t(l)] = T(double(mix_[std::size_t(l)]) * (gl[l] - sg));
+        device_memory<Backend>::upload(dots, mix_host_.data(), sizeof(T) * std::size_t(L + 1));
+        T* gw = weights_.grad();
+        K::add(1, L + 1, gw, L + 1, dots, L + 1, gw, L + 1);
         has_d_logits_ = false;
     }
 
@@ -497,10 +505,11 @@ private:
         return view_d(s.y[std::size_t(l)].data() + r0 * D, rows, D);
     }
 
-    // softmax(w), computed in double.
+    // softmax(w), computed in double on the host (w: L + 1 numbers over the host path).
     void update_mix() {
         const index_t n = options_.n_layers + 1;
-        const T* w = weights_.value();
+        weights_.download(mix_host_);
+        const T* w = mix_host_.data();
         double mx = double(w[0]), sum = 0;
         for (index_t l = 1; l < n; ++l) mx = std::max(mx, double(w[l]));
         for (index_t l = 0; l < n; ++l) sum += std::exp(double(w[l]) - mx);
@@ -523,17 +532,9 @@ private:
                                                  y(s, l + 1, r0, batch));
         }
         // mem_t = Σ_l softmax(w)_l · y_l
-        for (index_t b = 0; b < batch; ++b) {
-            T* m = mem_t.row(b);
-            const T w0 = mix_[0];
-            const T* y0 = s.y[0].data() + (r0 + b) * D;
-            for (index_t k = 0; k < D; ++k) m[k] = w0 * y0[k];
-            for (index_t l = 1; l <= L; ++l) {
-                const T wl = mix_[std::size_t(l)];
-                const T* yl = s.y[std::size_t(l)].data() + (r0 + b) * D;
-                for (index_t k = 0; k < D; ++k) m[k] += wl * yl[k];
-            }
-        }
+        for (index_t l = 0; l <= L; ++l) mix_inputs_[std::size_t(l)] = s.y[std::size_t(l)].data() + r0 * D;
+        K::weighted_sum_rows(batch, index_t(D), L + 1, mix_inputs_.data(), index_t(D), mix_.data(), mem_t.data(),
+                             mem_t.ld());
         if (!project) return;
         for (index_t i = 0; i < n_kv(); ++i) {
             key(i).forward(cview_d(mem_t), view_d(keys[i] + t * D, batch, D, cap * D));
@@ -553,7 +554,7 @@ private:
                 value(i).backward_input(cview_d(d_values_[std::size_t(i)].data() + t * D, B, D, cap * D), dm, true);
             }
         } else {
-            std::memset(dm.data(), 0, sizeof(T) * std::size_t(B * D));
+            device_memory<Backend>::fill_zero(dm.data(), sizeof(T) * std::size_t(B * D));
         }
         // d y_L = d final norm + w_L·d mem
         T* dy = grads_[std::size_t(L - 1)].d_y.data() + cr * D;
@@ -582,8 +583,7 @@ private:
 
     // y += a·x over n elements (when `apply`).
     static void axpy(index_t n, T a, const T* x, T* y, bool apply) {
-        if (!apply) return;
-        for (index_t k = 0; k < n; ++k) y[k] += a * x[k];
+        if (apply) K::axpy(n, a, x, y);
     }
 
     const linear<T, DM, DM, Backend>& key(index_t i) const {
@@ -606,8 +606,12 @@ private:
     linear<T, DM, dynamic, Backend> generator_;
     param<T, Backend> weights_;                                   // [L + 1]
     std::optional<linear<T, DM, DM, Backend>> key_, value_;  // shared_kv only
-    std::vector<T> mix_;                                 // softmax(w) [L + 1]
+    std::vector<T> mix_;                                 // softmax(w) [L + 1], on the host
     std::vector<double> mix_grad_;                       // G_l = Σ ⟨y_l, d mem⟩ [L + 1]
+    std::vector<T> mix_host_;                            // [L + 1]: w, the dots G_l, then dw, over the host path
+    std::vector<const T*> mix_inputs_;                   // [L + 1]: y_l's rows of the step being mixed
+    buffer<T, Backend> mix_dots_;                        // [L + 1]: G_l, then dw, on the backend
+    buffer<double, Backend> loss_sum_;                   // the cross-entropy rows' sum
 
     index_t batch_ = 0, rows_ = 0, steps_ = 0;
     bool has_d_logits_ = false;
@@ -703,11 +707,12 @@ private:
     void grow(index_t cap) {
         for (index_t i = 0; i < index_t(keys_.size()); ++i) {
             for (auto* cache : {&keys_[std::size_t(i)], &values_[std::size_t(i)]}) {
-                aligned_vector<T> next(std::size_t(batch_ * cap * D));
-                for (index_t b = 0; b < batch_; ++b)
-                    std::copy(cache->data() + b * cap_ * D, cache->data() + (b * cap_ + t_) * D,
-                              next.data() + b * cap * D);
-                cache->swap(next);
+                buffer<T, Backend> next;
+                next.ensure(batch_ * cap * D);
+                for (index_t b = 0; b < batch_ && t_ > 0; ++b)
+                    device_memory<Backend>::copy(next.data() + b * cap * D, cache->data() + b * cap_ * D,
+                                                 sizeof(T) * std::size_t(t_ * D));
+                std::swap(*cache, next);
             }
             key_ptrs_[std::size_t(i)] = keys_[std::size_t(i)].data();
             value_ptrs_[std::size_t(i)] = values_[std::size_t(i)].data();
@@ -718,7 +723,7 @@ private:
     Model* m_;
     index_t batch_, t_ = 0, cap_ = 0, projected_rows_ = 0;
     typename Model::activations acts_;
-    std::vector<aligned_vector<T>> keys_, values_;  // per projection: [B, cap, D] (batch-major)
+    std::vector<buffer<T, Backend>> keys_, values_;  // per projection: [B, cap, D] (batch-major)
     std::vector<T*> key_ptrs_, value_ptrs_;
     buffer<T, Backend> hn_, mean_, rstd_, logits_;
 };

@@ -67,6 +67,30 @@ struct elementwise {
         }
     }
 
+    /// y[i] += a·x[i] over n elements (one thread).
+    template <class T>
+    static void axpy(index_t n, T a, const T* x, T* y) {
+        for (index_t k = 0; k < n; ++k) y[k] += a * x[k];
+    }
+
+    /// y[r, :] = Σ_l w[l]·x_l[r, :] over n inputs x_l (host array of pointers, row stride ldx each; w: n
+    /// host scalars), in the order y = w_0·x_0, then y += w_l·x_l for l = 1 … n − 1 (one thread).
+    template <class T>
+    static void weighted_sum_rows(index_t rows, index_t d, index_t n, const T* const* x, index_t ldx, const T* w, T* y,
+                                  index_t ldy) {
+        for (index_t r = 0; r < rows; ++r) {
+            T* m = y + r * ldy;
+            const T w0 = w[0];
+            const T* x0 = x[0] + r * ldx;
+            for (index_t k = 0; k < d; ++k) m[k] = w0 * x0[k];
+            for (index_t l = 1; l < n; ++l) {
+                const T wl = w[l];
+                const T* xl = x[l] + r * ldx;
+                for (index_t k = 0; k < d; ++k) m[k] += wl * xl[k];
+            }
+        }
+    }
+
     /// sum[0] = Σ x[i] in double, in index order (a loss's per-row values).
     template <class T>
     static void sum_as_double(index_t n, const T* x, double* sum) {
