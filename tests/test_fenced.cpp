@@ -559,3 +559,25 @@ TEST_CASE("fenced backend: Feedback Transformer training and cached generation m
         check_same(run_feedback_model<shared_kv, cpu>(), run_feedback_model<shared_kv, fenced>(), false);
     }
 }
+
+namespace {
+
+/// Generation from a compressive transformer (the cached projections of the memory reused token to
+/// token, memory and compressed memory filling up) after one training segment: the tokens drawn.
+template <template <class, std::size_t, std::size_t, class> class Compression, class B>
+std::vector<token_t> run_generation() {
+    using model_t = compressive_transformer<float, config<16, 4, 2>, Compression, B>;
+    model_t model({.vocab = 7, .n_layers = 2, .d_ff = 24, .n_pos = 64});
+    model.reset_parameters(5);
+    autoregressive_wrapper<model_t> wrapper(model, 4, 6, 4);
+    const std::vector<token_t> prime = {1, 2, 3, 4, 5, 6, 0, 1, 2};
+    rng r(8);
+    return wrapper.generate(prime, 20, {.temperature = 0.9}, r);
+}
+
+}  // namespace
+
+TEST_CASE("fenced backend: compressive transformer and Transformer-XL generation match the CPU") {
+    CHECK(run_generation<conv_compression, cpu>() == run_generation<conv_compression, fenced>());
+    CHECK(run_generation<mean_pool_compression, cpu>() == run_generation<mean_pool_compression, fenced>());
+}

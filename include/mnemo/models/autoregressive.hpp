@@ -285,9 +285,13 @@ public:
         index_t n = 0;
         while (n < want) {
             const auto logits = model_.logits();  // the last segment's rows; its last row predicts the next token
-            const token_t next = sample_token<value_type>(
-                std::span<const value_type>(logits.row(logits.rows() - 1), std::size_t(logits.cols())), options, r,
-                scratch_);
+            // The host path: the row to sample from (vocab numbers per token).
+            using logits_backend = typename std::remove_cvref_t<decltype(logits)>::backend_type;
+            value_type* row = last_row_.ensure(logits.cols());
+            device_memory<logits_backend>::download(row, logits.row(logits.rows() - 1),
+                                                    sizeof(value_type) * std::size_t(logits.cols()));
+            const token_t next =
+                sample_token<value_type>(std::span<const value_type>(row, std::size_t(logits.cols())), options, r, scratch_);
             out[std::size_t(n++)] = next;
             if (n == want || (end_token && next == *end_token)) break;
             model_.forward(out.subspan(std::size_t(n - 1), 1), 1, gen_mem_);
@@ -344,6 +348,7 @@ private:
     index_t seg_len_, mem_len_, c_mem_len_;
     memory_type gen_mem_;
     sampling_scratch scratch_;
+    buffer<value_type> last_row_;  // the sampled row of logits, on the host
 };
 
 }  // namespace mnemo
