@@ -2,6 +2,7 @@
 // The compression functions' time-axis kernels (nn/compression.hpp, nn/compression_extra.hpp and the
 // auto-encoding loss use them): the im2col gather of Rate consecutive memory slots and its scatter,
 // max and mean pooling over them, and their backward passes.
+#include <cmath>
 #include <cstddef>
 
 #include "../../core/parallel.hpp"
