@@ -26,7 +26,7 @@
 #include <mnemo/mnemo.hpp>
 #include <mnemo/train/clip.hpp>
 #include <mnemo/train/optimizer.hpp>
-#include <mnemo/train/safetensors.hpp>
+#include <mnemo/io/safetensors.hpp>
 #include <mnemo/train/schedule.hpp>
 
 namespace {

@@ -58,7 +58,7 @@
 #include <vector>
 
 #include <mnemo/models/compressive_transformer.hpp>
-#include <mnemo/train/safetensors.hpp>
+#include <mnemo/io/safetensors.hpp>
 
 #include "cli.hpp"
 #include "model_zoo.hpp"

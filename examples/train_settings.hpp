@@ -15,7 +15,7 @@
 #include <utility>
 #include <vector>
 
-#include <mnemo/train/safetensors.hpp>
+#include <mnemo/io/safetensors.hpp>
 
 #include "cli.hpp"
 #include "model_zoo.hpp"

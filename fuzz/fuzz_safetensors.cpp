@@ -5,7 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include <mnemo/train/safetensors.hpp>
+#include <mnemo/io/safetensors.hpp>
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
     try {

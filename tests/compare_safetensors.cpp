@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include <mnemo/train/safetensors.hpp>
+#include <mnemo/io/safetensors.hpp>
 
 namespace {
 

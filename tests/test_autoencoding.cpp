@@ -12,7 +12,7 @@
 #include <vector>
 
 #include <mnemo/mnemo.hpp>
-#include <mnemo/train/autoencoding_reconstruction.hpp>
+#include <mnemo/losses/autoencoding_reconstruction.hpp>
 
 #include "allocation_counter.hpp"
 #include "gradcheck.hpp"

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include <mnemo/models/compressive_transformer.hpp>
-#include <mnemo/train/safetensors.hpp>
+#include <mnemo/io/safetensors.hpp>
 
 #include "gradcheck.hpp"
 

@@ -14,7 +14,7 @@
 #include <mnemo/models/feedback_transformer.hpp>
 #include <mnemo/train/clip.hpp>
 #include <mnemo/train/optimizer.hpp>
-#include <mnemo/train/safetensors.hpp>
+#include <mnemo/io/safetensors.hpp>
 
 #include "allocation_counter.hpp"
 #include "gradcheck.hpp"

@@ -12,7 +12,7 @@
 #include <mnemo/models/compressive_transformer.hpp>
 #include <mnemo/train/clip.hpp>
 #include <mnemo/train/optimizer.hpp>
-#include <mnemo/train/safetensors.hpp>
+#include <mnemo/io/safetensors.hpp>
 
 #include "testing.hpp"
 

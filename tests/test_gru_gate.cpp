@@ -11,7 +11,7 @@
 #include <vector>
 
 #include <mnemo/nn/gru_gate.hpp>
-#include <mnemo/train/safetensors.hpp>
+#include <mnemo/io/safetensors.hpp>
 
 #include "allocation_counter.hpp"
 #include "gradcheck.hpp"

@@ -15,11 +15,11 @@
 #include <string>
 #include <vector>
 
-#include "mnemo/core/json.hpp"
+#include "mnemo/io/json.hpp"
 #include "mnemo/core/parameters.hpp"
 #include "mnemo/core/rng.hpp"
 #include "testing.hpp"
-#include "mnemo/train/safetensors.hpp"
+#include "mnemo/io/safetensors.hpp"
 
 namespace fs = std::filesystem;
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Golden data for mnemo's auto-encoding loss (include/mnemo/train/autoencoding_reconstruction.hpp).
+"""Golden data for mnemo's auto-encoding loss (include/mnemo/losses/autoencoding_reconstruction.hpp).
 
     /usr/bin/python3 tools/golden_autoencoding.py      # rewrites tests/golden/autoencoding.safetensors
 

@@ -1,13 +1,15 @@
 #pragma once
 // mnemo: long-range sequence models with memory, header-only C++20 (CPU build).
 // Include this one header, or the pieces you need:
-//   core/     shapes, views, backend tags, parameters, buffers, rng, errors
-//   kernels/  cpu/ (Eigen GEMM, xsimd element-wise kernels, OpenMP)
+//   core/     shapes, views, backend tags and memory, parameters, buffers, rng, errors
+//   kernels/  the kernel table; cpu/ (Eigen GEMM, xsimd element-wise kernels, OpenMP threads)
 //   nn/       layers with hand-written backward passes
-//   train/    optimizers, clipping, schedules, safetensors checkpoints, memory, losses
+//   losses/   the compressive models' reconstruction losses (attention, auto-encoding)
+//   models/   compressive_transformer (and Transformer-XL as its c_mem_len = 0 case), its memory,
+//             feedback_transformer (plain and shared-KV), the autoregressive wrapper
+//   train/    optimizers, clipping, schedules, checkpoints, the text data reader
+//   io/       safetensors reader and writer (and its JSON parser)
 //   trainer/  the training loop: segment streams, trainer<Model>, checkpoints with trainer state, metrics
-//   models/   compressive_transformer (and Transformer-XL as its c_mem_len = 0 case),
-//             feedback_transformer (plain and shared-KV)
 #include "core/activation.hpp"
 #include "core/backend.hpp"
 #include "core/buffer.hpp"
@@ -32,13 +34,13 @@
 #include "models/autoregressive.hpp"
 #include "models/compressive_transformer.hpp"
 #include "models/feedback_transformer.hpp"
-#include "train/attention_reconstruction.hpp"
+#include "losses/attention_reconstruction.hpp"
 #include "train/checkpoint.hpp"
-#include "train/autoencoding_reconstruction.hpp"
+#include "losses/autoencoding_reconstruction.hpp"
 #include "train/clip.hpp"
-#include "train/compressive_memory.hpp"
+#include "models/compressive_memory.hpp"
 #include "train/optimizer.hpp"
-#include "train/safetensors.hpp"
+#include "io/safetensors.hpp"
 #include "train/schedule.hpp"
 #include "train/text_data.hpp"
 #include "trainer/metrics.hpp"

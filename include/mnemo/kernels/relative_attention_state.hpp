@@ -62,7 +62,10 @@ struct relative_attention_state {
     T* pos = nullptr;   // [H, Q·B, W]: q·R over the window; backward's d_pos
     T* attn = nullptr;  // [B, H, Q, K] attention weights
     T* ctx = nullptr;   // [Q·B, D] context
-    T *qt = nullptr, *ut = nullptr, *ut_hat = nullptr;  // absorbed: q̃, U, Û [H·Q, B, D]
+    // Absorbed route, [H·Q, B, D] each: the queries with W_k folded in, q̃ = (q+u)_h·W_k,h (scores are
+    // q̃·z); the attention-weighted memory inputs U = A_mem·z (the context is U·W_v,hᵀ + …); with
+    // the norm rows, Û = A_mem·ẑ.
+    T *q_absorbed = nullptr, *mem_mix = nullptr, *mem_mix_hat = nullptr;
     T* row_mass = nullptr;                              // absorbed: Σ_{j<M} a [B, H, Q]
     T* thread_blocks = nullptr;  // hat: parallel_slots(B) blocks of H·Q·(D + 1)
 
@@ -76,7 +79,7 @@ struct relative_attention_state {
     T* col_sums = nullptr;                   // [H, W] scratch
     // Absorbed backward.
     T *gk = nullptr, *gv = nullptr, *gbv = nullptr;  // W_k, W_v, b_v gradients, +=
-    T *dut = nullptr, *dqt = nullptr;                // [H·Q·B, D] each
+    T *d_mem_mix = nullptr, *d_q_absorbed = nullptr;  // dU, d q̃: [H·Q·B, D] each
     T* d_bias_score = nullptr;                       // [B, H, Q]
     T* dz_blocks = nullptr;     // parallel_slots(B) blocks of [M, D]: memory rows' d z (null: not needed)
     T* norm_partial = nullptr;  // [B, 2D] (null: no frozen norm rows)

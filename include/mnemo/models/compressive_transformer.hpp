@@ -71,9 +71,9 @@
 #include "../nn/no_compression.hpp"
 #include "../nn/relative_attention.hpp"
 #include "../nn/residual.hpp"
-#include "../train/attention_reconstruction.hpp"
-#include "../train/autoencoding_reconstruction.hpp"
-#include "../train/compressive_memory.hpp"
+#include "../losses/attention_reconstruction.hpp"
+#include "../losses/autoencoding_reconstruction.hpp"
+#include "compressive_memory.hpp"
 
 namespace mnemo {
 
@@ -98,7 +98,7 @@ struct compressive_layer_options {
 template <class T, class Config, template <class, std::size_t, std::size_t, class> class Compression,
           class Backend = cpu>
 class compressive_layer {
-    using K = checked_ops<Backend>;
+    using kernels = checked_ops<Backend>;
     static constexpr std::size_t DM = Config::d_model;
 
 public:
@@ -170,7 +170,7 @@ public:
         all_normalised_ = grad_enabled_ || !reuse.n;
         if (all_normalised_) normalise(0, lb);
         else reuse.for_each_gap(lb / batch, [&](index_t p0, index_t p1) { normalise(p0 * batch, p1 * batch); });
-        K::copy(qb, D, x.data(), x.ld(), x_in.data(), D);
+        kernels::copy(qb, D, x.data(), x.ld(), x_in.data(), D);
         norm_self_attn_.forward(x_in, z.row_range(lb, qb), norm_stats<T>{mean_.ensure(qb), rstd_.ensure(qb)});
 
         view<T, DM, Backend> a(attn_out_.ensure(qb * D), qb, D), x_mid(x_mid_.ensure(qb * D), qb, D),
@@ -237,7 +237,7 @@ public:
             return nullptr;
         T* z = z_.data() + c_rows_ * D;
         if (z_mem_unwritten_) {
-            K::scale_shift_rows(std::min(rows, mem_rows_ - c_rows_), index_t(D), zhat_.data() + c_rows_ * D, index_t(D),
+            kernels::scale_shift_rows(std::min(rows, mem_rows_ - c_rows_), index_t(D), zhat_.data() + c_rows_ * D, index_t(D),
                                 norm_self_attn_.weight().value(), norm_self_attn_.bias().value(), z, index_t(D));
         }
         return z;
@@ -291,9 +291,9 @@ private:
         batch_ = batch;
         mem_rows_ = lb;
         view<T, DM, Backend> kv_in(kv_in_.ensure(kb * D), kb, D);
-        K::copy(c_mem.rows(), D, c_mem.data(), c_mem.ld(), kv_in.data(), D);
-        K::copy(mem.rows(), D, mem.data(), mem.ld(), kv_in.row(c_mem.rows()), D);
-        K::copy(qb, D, x.data(), x.ld(), kv_in.row(lb), D);
+        kernels::copy(c_mem.rows(), D, c_mem.data(), c_mem.ld(), kv_in.data(), D);
+        kernels::copy(mem.rows(), D, mem.data(), mem.ld(), kv_in.row(c_mem.rows()), D);
+        kernels::copy(qb, D, x.data(), x.ld(), kv_in.row(lb), D);
         view<T, DM, Backend> a(attn_out_.ensure(qb * D), qb, D), s1(z_.ensure(qb * D), qb, D),
             x_mid(x_mid_.ensure(qb * D), qb, D), f(ff_out_.ensure(qb * D), qb, D), s2(z2_.ensure(qb * D), qb, D);
         self_attn_.forward(kv_in.row_range(lb, qb), kv_in, batch, a, reuse);
@@ -332,7 +332,7 @@ private:
         // The memory rows (raw inputs here) need no input gradient: frozen without a norm.
         self_attn_.backward(kv_in.row_range(lb, qb), kv_in, da, dkv.row_range(lb, qb), dkv, /*accumulate_dq=*/true,
                             frozen_key_rows<T>{lb});
-        K::add(qb, D, dx.data(), dx.ld(), dkv.row(lb), D, dx.data(), dx.ld());
+        kernels::add(qb, D, dx.data(), dx.ld(), dkv.row(lb), D, dx.data(), dx.ld());
     }
 
     compressive_layer_options options_;  // its shape checked (a static config's own filled in)
@@ -423,7 +423,7 @@ private:
 template <class T, class Config, template <class, std::size_t, std::size_t, class> class Compression = conv_compression,
           class Backend = cpu>
 class compressive_transformer {
-    using K = checked_ops<Backend>;
+    using kernels = checked_ops<Backend>;
     static constexpr std::size_t DM = Config::d_model;
 
 public:
@@ -589,15 +589,15 @@ public:
         MNEMO_CHECK(index_t(targets.size()) == rows_, "compressive_transformer: ", targets.size(), " targets for ",
                     rows_, " positions");
         const index_t v = options_.vocab;
-        K::cross_entropy_check_targets(rows_, v, targets.data());
+        kernels::cross_entropy_check_targets(rows_, v, targets.data());
         index_t counted = 0;
         for (token_t t : targets) counted += t >= 0;
         const T scale = counted > 0 ? T(1) / T(counted) : T(0);
         T* losses = ce_rows_.ensure(rows_);
-        K::cross_entropy_fused(rows_, v, logits_.data(), v, targets.data(), losses, scale,
+        kernels::cross_entropy_fused(rows_, v, logits_.data(), v, targets.data(), losses, scale,
                                d_logits_.ensure(rows_ * v), v);
         has_d_logits_ = with_grad;
-        K::sum_as_double(rows_, losses, loss_sum_.ensure(1));
+        kernels::sum_as_double(rows_, losses, loss_sum_.ensure(1));
         double sum = 0;  // the host path: the loss is returned now
         device_memory<Backend>::download(&sum, loss_sum_.data(), sizeof(double));
         return counted > 0 ? sum / double(counted) : 0.0;

@@ -115,7 +115,7 @@ struct feedback_layer_gradients {
 /// One layer's parameters and its per-step forward and backward over caller-owned storage.
 template <class T, class Config, class KV, class Backend = cpu>
 class feedback_layer {
-    using K = checked_ops<Backend>;
+    using kernels = checked_ops<Backend>;
     static constexpr std::size_t DM = Config::d_model;
     [[no_unique_address]] extent_holder<DM> D;  // d_model: a constant for a static config
 
@@ -176,12 +176,12 @@ public:
                           {s.q.data() + r0 * D, s.attn.data() + attn_off, s.ctx.data() + r0 * D}, hm);
             residual<T, DM, Backend>::forward(x, hm, hm);
         } else {
-            K::copy(batch, D, x.data(), x.ld(), hm.data(), D);
+            kernels::copy(batch, D, x.data(), x.ld(), hm.data(), D);
         }
         norm_ff_.forward(hm, z2, norm_stats<T>{s.mean2.data() + r0, s.rstd2.data() + r0});
         const view<T, dynamic, Backend> a(s.a.data() + r0 * d_ff_, batch, d_ff_);
         feed_forward_.layer1().forward(z2, a);
-        K::template activation_forward<relu>(batch * d_ff_, a.data(), a.data());
+        kernels::template activation_forward<relu>(batch * d_ff_, a.data(), a.data());
         feed_forward_.layer2().forward(a, y);
         residual<T, DM, Backend>::forward(hm, y, y);
     }
@@ -196,9 +196,9 @@ public:
         const view<T, dynamic, Backend> da(g.d_a.data() + c0 * d_ff_, batch, d_ff_);
         // y = h' + FFN(LN_ff(h')). ReLU's derivative [h > 0] is read from its output: a > 0 ⇔ h > 0.
         feed_forward_.layer2().backward_input(dy, da);
-        K::relu_backward(batch * d_ff_, s.a.data() + r0 * d_ff_, da.data(), da.data());
+        kernels::relu_backward(batch * d_ff_, s.a.data() + r0 * d_ff_, da.data(), da.data());
         feed_forward_.layer1().backward_input(view<const T, dynamic, Backend>(da), dz2);
-        K::copy(batch, D, dy.data(), D, d_hm.data(), D);
+        kernels::copy(batch, D, dy.data(), D, d_hm.data(), D);
         norm_ff_.backward_input(hm, cview_d(dz2), d_hm, stats(s.mean2, s.rstd2, r0), /*accumulate_dx=*/true);
         if (keys.slots > 0) {
             // h' = x + attn(LN_attn(x))
@@ -206,10 +206,10 @@ public:
             attn_.backward_step(keys, values, d_hm, batch,
                                 {s.q.data() + r0 * D, s.attn.data() + attn_off, s.ctx.data() + r0 * D}, dq, d_keys,
                                 d_values, dz1);
-            K::copy(batch, D, d_hm.data(), D, dx.data(), dx.ld());
+            kernels::copy(batch, D, d_hm.data(), D, dx.data(), dx.ld());
             norm_self_attn_.backward_input(x, cview_d(dz1), dx, stats(s.mean1, s.rstd1, r0), /*accumulate_dx=*/true);
         } else {
-            K::copy(batch, D, d_hm.data(), D, dx.data(), dx.ld());
+            kernels::copy(batch, D, d_hm.data(), D, dx.data(), dx.ld());
         }
     }
 
@@ -257,7 +257,7 @@ class feedback_generator;
 
 template <class T, class Config, class KV = per_layer_kv, class Backend = cpu>
 class feedback_transformer {
-    using K = checked_ops<Backend>;
+    using kernels = checked_ops<Backend>;
     static constexpr std::size_t DM = Config::d_model;
 
 public:
@@ -353,15 +353,15 @@ public:
         MNEMO_CHECK(index_t(targets.size()) == rows_, "feedback_transformer: ", targets.size(), " targets for ", rows_,
                     " positions");
         const index_t v = options_.vocab;
-        K::cross_entropy_check_targets(rows_, v, targets.data());
+        kernels::cross_entropy_check_targets(rows_, v, targets.data());
         index_t counted = 0;
         for (token_t t : targets) counted += t >= 0;
         const T scale = counted > 0 ? T(1) / T(counted) : T(0);
         T* losses = ce_rows_.ensure(rows_);
-        K::cross_entropy_fused(rows_, v, logits_.data(), v, targets.data(), losses, scale, d_logits_.ensure(rows_ * v),
+        kernels::cross_entropy_fused(rows_, v, logits_.data(), v, targets.data(), losses, scale, d_logits_.ensure(rows_ * v),
                                v);
         has_d_logits_ = with_grad;
-        K::sum_as_double(rows_, losses, loss_sum_.ensure(1));
+        kernels::sum_as_double(rows_, losses, loss_sum_.ensure(1));
         double sum = 0;  // the host path: the loss is returned now
         device_memory<Backend>::download(&sum, loss_sum_.data(), sizeof(double));
         return counted > 0 ? sum / double(counted) : 0.0;
@@ -407,7 +407,7 @@ public:
         // the backend, the softmax backward of L + 1 numbers on the host (in double), added back.
         T* dots = mix_dots_.ensure(L + 1);
         for (index_t l = 0; l <= L; ++l)
-            K::gemm_nt(1, 1, rows * D, acts_.y[std::size_t(l)].data(), rows * D, d_mem, rows * D, dots + l, 1);
+            kernels::gemm_nt(1, 1, rows * D, acts_.y[std::size_t(l)].data(), rows * D, d_mem, rows * D, dots + l, 1);
         device_memory<Backend>::download(mix_host_.data(), dots, sizeof(T) * std::size_t(L + 1));
         double* gl = mix_grad_.data();
         double sg = 0;
@@ -418,7 +418,7 @@ public:
         for (index_t l = 0; l <= L; ++l) mix_host_[std::size_t(l)] = T(double(mix_[std::size_t(l)]) * (gl[l] - sg));
         device_memory<Backend>::upload(dots, mix_host_.data(), sizeof(T) * std::size_t(L + 1));
         T* gw = weights_.grad();
-        K::add(1, L + 1, gw, L + 1, dots, L + 1, gw, L + 1);
+        kernels::add(1, L + 1, gw, L + 1, dots, L + 1, gw, L + 1);
         has_d_logits_ = false;
     }
 
@@ -533,7 +533,7 @@ private:
         }
         // mem_t = Σ_l softmax(w)_l · y_l
         for (index_t l = 0; l <= L; ++l) mix_inputs_[std::size_t(l)] = s.y[std::size_t(l)].data() + r0 * D;
-        K::weighted_sum_rows(batch, index_t(D), L + 1, mix_inputs_.data(), index_t(D), mix_.data(), mem_t.data(),
+        kernels::weighted_sum_rows(batch, index_t(D), L + 1, mix_inputs_.data(), index_t(D), mix_.data(), mem_t.data(),
                              mem_t.ld());
         if (!project) return;
         for (index_t i = 0; i < n_kv(); ++i) {
@@ -558,7 +558,7 @@ private:
         }
         // d y_L = d final norm + w_L·d mem
         T* dy = grads_[std::size_t(L - 1)].d_y.data() + cr * D;
-        K::copy(B, D, d_final.row(r0), D, dy, D);
+        kernels::copy(B, D, d_final.row(r0), D, dy, D);
         axpy(B * D, mix_[std::size_t(L)], dm.data(), dy, has_mem_grad);
         for (index_t l = L; l >= 1; --l) {
             const index_t i = kv_index(l - 1);
@@ -583,7 +583,7 @@ private:
 
     // y += a·x over n elements (when `apply`).
     static void axpy(index_t n, T a, const T* x, T* y, bool apply) {
-        if (apply) K::axpy(n, a, x, y);
+        if (apply) kernels::axpy(n, a, x, y);
     }
 
     const linear<T, DM, DM, Backend>& key(index_t i) const {

@@ -102,8 +102,7 @@ struct compression_shape {
 /// `dynamic` (a runtime-shape model): they are then given at construction.
 template <class T, std::size_t D, std::size_t Rate, class Backend = cpu>
 class conv_compression {
-    using K = checked_ops<Backend>;
-    using C = checked_ops<Backend>;
+    using kernels = checked_ops<Backend>;
     using shape = detail::compression_shape;
     static_assert(expect_compression_rate<Rate>::value);
     [[no_unique_address]] extent_holder<D> d_;
@@ -150,9 +149,9 @@ public:
         const index_t rows = shape::check_forward(who_, mem, batch, out, "out", d_, c_);
         const index_t k_ = k();
         T* x = x_.ensure(rows * k_);  // X [n·batch, D·Rate]
-        C::template im2col_time<Rate>(rows, batch, d_, mem.data(), mem.ld(), x, c_);
-        K::gemm_nt(rows, d_, k_, x, k_, weight_.value(), k_, out.data(), out.ld());
-        K::add_bias_rows(rows, d_, bias_.value(), out.data(), out.ld());
+        kernels::template im2col_time<Rate>(rows, batch, d_, mem.data(), mem.ld(), x, c_);
+        kernels::gemm_nt(rows, d_, k_, x, k_, weight_.value(), k_, out.data(), out.ld());
+        kernels::add_bias_rows(rows, d_, bias_.value(), out.data(), out.ld());
         saved_rows_ = mem.rows();
         saved_batch_ = batch;
     }
@@ -168,12 +167,12 @@ public:
         shape::check_saved(who_, mem.rows(), batch, saved_rows_, saved_batch_);
         const index_t k_ = k();
         const T* x = x_.data();  // X [n·batch, D·Rate]
-        K::gemm_tn(d_, k_, rows, d_out.data(), d_out.ld(), x, k_, weight_.grad(), k_, T(1));
-        K::sum_rows_accumulate(rows, d_, d_out.data(), d_out.ld(), bias_.grad());
+        kernels::gemm_tn(d_, k_, rows, d_out.data(), d_out.ld(), x, k_, weight_.grad(), k_, T(1));
+        kernels::sum_rows_accumulate(rows, d_, d_out.data(), d_out.ld(), bias_.grad());
         if (d_mem.data()) {
             T* dx = dx_.ensure(rows * k_);  // dX [n·batch, D·Rate]
-            K::gemm_nn(rows, k_, d_, d_out.data(), d_out.ld(), weight_.value(), k_, dx, k_);
-            C::template col2im_time<Rate>(rows, batch, d_, dx, d_mem.data(), d_mem.ld(), c_);
+            kernels::gemm_nn(rows, k_, d_, d_out.data(), d_out.ld(), weight_.value(), k_, dx, k_);
+            kernels::template col2im_time<Rate>(rows, batch, d_, dx, d_mem.data(), d_mem.ld(), c_);
         }
     }
 
@@ -194,7 +193,7 @@ private:
 /// Rate may be `dynamic` (given at construction).
 template <class T, std::size_t D, std::size_t Rate, class Backend = cpu>
 class max_pool_compression {
-    using C = checked_ops<Backend>;
+    using kernels = checked_ops<Backend>;
     using shape = detail::compression_shape;
     static_assert(expect_compression_rate<Rate>::value);
     [[no_unique_address]] extent_holder<D> d_;
@@ -233,7 +232,7 @@ public:
         static_assert(check_view<D, M, axis::d_model, Backend>());
         static_assert(check_view<D, O, axis::d_model, Backend>());
         const index_t rows = shape::check_forward(who_, mem, batch, out, "out", d_, c_);
-        C::template max_pool_time_forward<Rate>(rows, batch, d_, mem.data(), mem.ld(), out.data(), out.ld(),
+        kernels::template max_pool_time_forward<Rate>(rows, batch, d_, mem.data(), mem.ld(), out.data(), out.ld(),
                                                 arg_.ensure(rows * d_), c_);
         saved_rows_ = mem.rows();
         saved_batch_ = batch;
@@ -249,7 +248,7 @@ public:
         const index_t rows = shape::check_backward(who_, mem, batch, d_out, d_mem, d_, c_);
         shape::check_saved(who_, mem.rows(), batch, saved_rows_, saved_batch_);
         if (d_mem.data())
-            C::template max_pool_time_backward<Rate>(rows, batch, d_, d_out.data(), d_out.ld(), arg_.data(),
+            kernels::template max_pool_time_backward<Rate>(rows, batch, d_, d_out.data(), d_out.ld(), arg_.data(),
                                                      d_mem.data(), d_mem.ld(), c_);
     }
 
@@ -265,7 +264,7 @@ private:
 /// saved state: backward needs only the shapes. D and Rate may be `dynamic` (given at construction).
 template <class T, std::size_t D, std::size_t Rate, class Backend = cpu>
 class mean_pool_compression {
-    using C = checked_ops<Backend>;
+    using kernels = checked_ops<Backend>;
     using shape = detail::compression_shape;
     static_assert(expect_compression_rate<Rate>::value);
     [[no_unique_address]] extent_holder<D> d_;
@@ -301,7 +300,7 @@ public:
         static_assert(check_view<D, M, axis::d_model, Backend>());
         static_assert(check_view<D, O, axis::d_model, Backend>());
         const index_t rows = shape::check_forward(who_, mem, batch, out, "out", d_, c_);
-        C::template mean_pool_time_forward<Rate>(rows, batch, d_, mem.data(), mem.ld(), out.data(), out.ld(), c_);
+        kernels::template mean_pool_time_forward<Rate>(rows, batch, d_, mem.data(), mem.ld(), out.data(), out.ld(), c_);
     }
 
     /// d_mem = d_out / Rate over each window (assigned; skipped when d_mem has no data).
@@ -312,7 +311,7 @@ public:
         static_assert(check_view<D, DM, axis::d_model, Backend>());
         const index_t rows = shape::check_backward(who_, mem, batch, d_out, d_mem, d_, c_);
         if (d_mem.data())
-            C::template mean_pool_time_backward<Rate>(rows, batch, d_, d_out.data(), d_out.ld(), d_mem.data(),
+            kernels::template mean_pool_time_backward<Rate>(rows, batch, d_, d_out.data(), d_out.ld(), d_mem.data(),
                                                       d_mem.ld(), c_);
     }
 

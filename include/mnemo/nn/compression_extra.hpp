@@ -84,8 +84,7 @@ class dilated_conv_compression {
     static_assert(Rate == dynamic || (Rate >= 2 && (Rate & (Rate - 1)) == 0),
                   "mnemo: dilated_conv_compression needs a compression rate that is a power of two >= 2 (it is a "
                   "stack of log2(Rate) convolutions of kernel 2 and stride 2)");
-    using K = checked_ops<Backend>;
-    using C = checked_ops<Backend>;
+    using kernels = checked_ops<Backend>;
     using shape = detail::compression_shape;
     [[no_unique_address]] extent_holder<D> d_;
     [[no_unique_address]] extent_holder<Rate> c_;
@@ -163,13 +162,13 @@ public:
         for (index_t k = 0; k < n_layers_; ++k) {
             const index_t rows = rows_in / 2;
             T* xk = x + x_offset(mem_rows, k);
-            C::template im2col_time<2>(rows, batch, d_, in, ld_in, xk);
+            kernels::template im2col_time<2>(rows, batch, d_, in, ld_in, xk);
             const bool last = k + 1 == n_layers_;
             T* y = last ? out.data() : h + h_offset(mem_rows, k + 1);
             const index_t ldy = last ? out.ld() : index_t(d_);
-            K::gemm_nt(rows, d_, k_, xk, k_, weight_[std::size_t(k)].value(), k_, y, ldy);
-            K::add_bias_rows(rows, d_, bias_[std::size_t(k)].value(), y, ldy);
-            if (!last) K::relu_forward(rows * d_, y, y);  // dense: ldy = D
+            kernels::gemm_nt(rows, d_, k_, xk, k_, weight_[std::size_t(k)].value(), k_, y, ldy);
+            kernels::add_bias_rows(rows, d_, bias_[std::size_t(k)].value(), y, ldy);
+            if (!last) kernels::relu_forward(rows * d_, y, y);  // dense: ldy = D
             in = y;
             ld_in = ldy;
             rows_in = rows;
@@ -199,16 +198,16 @@ public:
             const index_t rows = mem_rows >> (k + 1);
             const T* xk = x + x_offset(mem_rows, k);
             const param<T, Backend>& w = weight_[std::size_t(k)];
-            K::gemm_tn(d_, k_, rows, g, ldg, xk, k_, w.grad(), k_, T(1));
-            K::sum_rows_accumulate(rows, d_, g, ldg, bias_[std::size_t(k)].grad());
+            kernels::gemm_tn(d_, k_, rows, g, ldg, xk, k_, w.grad(), k_, T(1));
+            kernels::sum_rows_accumulate(rows, d_, g, ldg, bias_[std::size_t(k)].grad());
             if (k == 0 && !want_dmem) break;
-            K::gemm_nn(rows, k_, d_, g, ldg, w.value(), k_, dx, k_);
+            kernels::gemm_nn(rows, k_, d_, g, ldg, w.value(), k_, dx, k_);
             if (k == 0) {
-                C::template col2im_time<2>(rows, batch, d_, dx, d_mem.data(), d_mem.ld());
+                kernels::template col2im_time<2>(rows, batch, d_, dx, d_mem.data(), d_mem.ld());
             } else {
                 // d h_k, then through the ReLU that made h_k (relu'(y) = [relu(y) > 0]); g was read above.
-                C::template col2im_time<2>(rows, batch, d_, dx, dh, d_);
-                K::relu_backward(2 * rows * d_, h + h_offset(mem_rows, k), dh, dh);
+                kernels::template col2im_time<2>(rows, batch, d_, dx, dh, d_);
+                kernels::relu_backward(2 * rows * d_, h + h_offset(mem_rows, k), dh, dh);
                 g = dh;
                 ldg = d_;
             }
@@ -254,7 +253,7 @@ private:
 template <class T, std::size_t D, std::size_t Rate, class Backend = cpu>
 class most_used_compression {
     static_assert(expect_compression_rate<Rate>::value);
-    using K = checked_ops<Backend>;
+    using kernels = checked_ops<Backend>;
     using shape = detail::compression_shape;
     [[no_unique_address]] extent_holder<D> d_;
     [[no_unique_address]] extent_holder<Rate> c_;
@@ -311,7 +310,7 @@ public:
                     ") with the attention mass of each memory row before forward");
         MNEMO_CHECK(usage_rows_ == mem.rows(), who_, ": the usage was set for ", usage_rows_,
                     " memory rows but forward got ", mem.rows(), " memory rows");
-        K::template most_used_forward<Rate>(rows, batch, d_, usage_.data(), mem.data(), mem.ld(), out.data(),
+        kernels::template most_used_forward<Rate>(rows, batch, d_, usage_.data(), mem.data(), mem.ld(), out.data(),
                                              out.ld(), arg_.ensure(rows), c_);
         saved_rows_ = mem.rows();
         saved_batch_ = batch;
@@ -327,7 +326,7 @@ public:
         const index_t rows = shape::check_backward(who_, mem, batch, d_out, d_mem, d_, c_);
         shape::check_saved(who_, mem.rows(), batch, saved_rows_, saved_batch_);
         if (d_mem.data())
-            K::template most_used_backward<Rate>(rows, batch, d_, d_out.data(), d_out.ld(), arg_.data(),
+            kernels::template most_used_backward<Rate>(rows, batch, d_, d_out.data(), d_out.ld(), arg_.data(),
                                                   d_mem.data(), d_mem.ld(), c_);
     }
 

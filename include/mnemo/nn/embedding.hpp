@@ -17,7 +17,7 @@ using token_t = std::int32_t;
 /// D may be `dynamic` (a runtime-shape model): it is then given at construction.
 template <class T, std::size_t D, class Backend = cpu>
 class embedding {
-    using K = checked_ops<Backend>;
+    using kernels = checked_ops<Backend>;
     [[no_unique_address]] extent_holder<D> d_;
 
 public:
@@ -48,7 +48,7 @@ public:
         for (std::size_t i = 0; i < tokens.size(); ++i)
             MNEMO_CHECK(tokens[i] >= 0 && tokens[i] < vocab_, "embedding '", name_, "': token ", tokens[i],
                         " at position ", i, " is outside the vocabulary [0, ", vocab_, ")");
-        K::gather_rows(y.rows(), d_, tokens.data(), weight_.value(), d_,
+        kernels::gather_rows(y.rows(), d_, tokens.data(), weight_.value(), d_,
                        y.data(), y.ld());
     }
 
@@ -58,7 +58,7 @@ public:
         static_assert(check_view<D, DY, axis::d_model, Backend>());
         MNEMO_CHECK(static_cast<index_t>(tokens.size()) == dy.rows(), "embedding '", name_, "': ", tokens.size(),
                     " tokens but dy has ", dy.rows(), " rows");
-        K::scatter_add_rows(dy.rows(), d_, tokens.data(), dy.data(), dy.ld(), weight_.grad(),
+        kernels::scatter_add_rows(dy.rows(), d_, tokens.data(), dy.data(), dy.ld(), weight_.grad(),
                             d_);
     }
 

@@ -15,7 +15,7 @@ namespace mnemo {
 
 template <class T, std::size_t D, std::size_t Dff, class Act = relu, class Backend = cpu>
 class feed_forward {
-    using K = checked_ops<Backend>;
+    using kernels = checked_ops<Backend>;
 
 public:
     feed_forward(parameter_set<T, Backend>& ps, const std::string& name) requires(Dff != dynamic && D != dynamic)
@@ -44,7 +44,7 @@ public:
         rows_ = rows;
         view<T, Dff, Backend> h(hidden_.ensure(rows * d_ff_), rows, d_ff_), a(act_.ensure(rows * d_ff_), rows, d_ff_);
         layer1_.forward(x, h);
-        K::template activation_forward<Act>(rows * d_ff_, h.data(), a.data());
+        kernels::template activation_forward<Act>(rows * d_ff_, h.data(), a.data());
         layer2_.forward(a, y);
     }
 
@@ -57,7 +57,7 @@ public:
         view<T, Dff, Backend> h(hidden_.data(), rows, d_ff_), a(act_.data(), rows, d_ff_),
             da(grad_.ensure(rows * d_ff_), rows, d_ff_);
         layer2_.backward(a, dy, da);
-        K::template activation_backward<Act>(rows * d_ff_, h.data(), da.data(), da.data());
+        kernels::template activation_backward<Act>(rows * d_ff_, h.data(), da.data(), da.data());
         layer1_.backward(x, da, dx, accumulate_dx);
     }
 

@@ -50,7 +50,7 @@ struct feedback_attention_cache {
 
 template <class T, class Config, class Backend = cpu>
 class feedback_attention {
-    using K = checked_ops<Backend>;
+    using kernels = checked_ops<Backend>;
 
 public:
     static constexpr std::size_t d_model = Config::d_model;  // `dynamic` for runtime_config, as heads and d_head
@@ -106,13 +106,13 @@ public:
         check_rows(z, out, "feedback_attention", "z", "out");
         const view_d q(cache.q, batch, D), ctx(cache.ctx, batch, D), qu(qu_.ensure(batch * D), batch, D);
         query_.forward(z, q);
-        K::copy(batch, D, q.data(), D, qu.data(), D);
-        K::add_bias_rows(batch, D, u_.value(), qu.data(), D);  // q + u, u [heads·d_k] broadcast
+        kernels::copy(batch, D, q.data(), D, qu.data(), D);
+        kernels::add_bias_rows(batch, D, u_.value(), qu.data(), D);  // q + u, u [heads·d_k] broadcast
 
         feedback_attention_state<T> st = state(batch, t, q.data(), qu.data(), keys, values);
         st.attn = cache.attn;
         st.ctx = ctx.data();
-        K::template feedback_attention_forward<extents>(st);
+        kernels::template feedback_attention_forward<extents>(st);
         output_.forward(ctx, out);
     }
 
@@ -131,8 +131,8 @@ public:
         const view_d d_ctx(d_ctx_.ensure(batch * D), batch, D), qu(qu_.ensure(batch * D), batch, D),
             d_qu(d_qu_.ensure(batch * D), batch, D);
         output_.backward_input(d_out, d_ctx);
-        K::copy(batch, D, q.data(), D, qu.data(), D);
-        K::add_bias_rows(batch, D, u_.value(), qu.data(), D);
+        kernels::copy(batch, D, q.data(), D, qu.data(), D);
+        kernels::add_bias_rows(batch, D, u_.value(), qu.data(), D);
 
         feedback_attention_state<T> st = state(batch, t, q.data(), qu.data(), keys, values);
         st.saved_attn = cache.attn;
@@ -144,9 +144,9 @@ public:
         st.d_values = d_values;
         st.dr_win = r_.touch_grad_rows(n_pos_ - t, n_pos_);
         st.ds_win = s_.touch_grad_rows(n_pos_ - t, n_pos_);
-        K::template feedback_attention_backward<extents>(st);
-        K::sum_rows_accumulate(batch, D, d_qu.data(), D, u_.grad());            // du = Σ_b d(q + u)
-        K::add(batch, D, d_q.data(), D, d_qu.data(), D, d_q.data(), D);         // dq = d(q + u) + positional part
+        kernels::template feedback_attention_backward<extents>(st);
+        kernels::sum_rows_accumulate(batch, D, d_qu.data(), D, u_.grad());            // du = Σ_b d(q + u)
+        kernels::add(batch, D, d_q.data(), D, d_qu.data(), D, d_q.data(), D);         // dq = d(q + u) + positional part
         if (d_z.data()) {
             check_rows(d_out, d_z, "feedback_attention", "d_out", "d_z");
             query_.backward_input(cview_d(d_q), d_z, accumulate_dz);

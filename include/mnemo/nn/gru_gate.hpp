@@ -44,8 +44,7 @@ namespace mnemo {
 
 template <class T, std::size_t D, class Backend = cpu>
 class gru_gate {
-    using K = checked_ops<Backend>;
-    using G = checked_ops<Backend>;
+    using kernels = checked_ops<Backend>;
     [[no_unique_address]] extent_holder<D> d_;
     [[no_unique_address]] extent_holder<D == dynamic ? dynamic : 3 * D> d3_;
 
@@ -91,11 +90,11 @@ public:
         T* gi = gi_.ensure(rows * d3_);
         T* gh = gh_.ensure(rows * d3_);
         saved_rows_ = rows;
-        K::copy(rows, d_, x.data(), x.ld(), xs, d_);
-        K::copy(rows, d_, y.data(), y.ld(), ys, d_);
-        K::gemm_nt(rows, d3_, d_, ys, d_, weight_ih_.value(), d_, gi, d3_);
-        K::gemm_nt(rows, d3_, d_, xs, d_, weight_hh_.value(), d_, gh, d3_);
-        G::gru_gate_forward(rows, d_, gi, gh, bias_ih_.value(), bias_hh_.value(), xs, out.data(), out.ld());
+        kernels::copy(rows, d_, x.data(), x.ld(), xs, d_);
+        kernels::copy(rows, d_, y.data(), y.ld(), ys, d_);
+        kernels::gemm_nt(rows, d3_, d_, ys, d_, weight_ih_.value(), d_, gi, d3_);
+        kernels::gemm_nt(rows, d3_, d_, xs, d_, weight_hh_.value(), d_, gh, d3_);
+        kernels::gru_gate_forward(rows, d_, gi, gh, bias_ih_.value(), bias_hh_.value(), xs, out.data(), out.ld());
     }
 
     /// dW_ih, dW_hh, db_ih, db_hh +=; dx (stream / hidden) and dy (sub-layer output / input) assigned,
@@ -122,15 +121,15 @@ public:
         }
         T* dgi = dgi_.ensure(rows * d3_);
         T* dgh = dgh_.ensure(rows * d3_);
-        G::gru_gate_backward(rows, d_, gi_.data(), gh_.data(), x_.data(), d_out.data(), d_out.ld(), dgi, dgh, dx.data(),
+        kernels::gru_gate_backward(rows, d_, gi_.data(), gh_.data(), x_.data(), d_out.data(), d_out.ld(), dgi, dgh, dx.data(),
                     dx.ld(), accumulate_dx);
-        K::gemm_tn(d3_, d_, rows, dgi, d3_, y_.data(), d_, weight_ih_.grad(), d_, T(1));
-        K::gemm_tn(d3_, d_, rows, dgh, d3_, x_.data(), d_, weight_hh_.grad(), d_, T(1));
-        K::sum_rows_accumulate(rows, d3_, dgi, d3_, bias_ih_.grad());
-        K::sum_rows_accumulate(rows, d3_, dgh, d3_, bias_hh_.grad());
-        if (dx.data()) K::gemm_nn(rows, d_, d3_, dgh, d3_, weight_hh_.value(), d_, dx.data(), dx.ld(), T(1));
+        kernels::gemm_tn(d3_, d_, rows, dgi, d3_, y_.data(), d_, weight_ih_.grad(), d_, T(1));
+        kernels::gemm_tn(d3_, d_, rows, dgh, d3_, x_.data(), d_, weight_hh_.grad(), d_, T(1));
+        kernels::sum_rows_accumulate(rows, d3_, dgi, d3_, bias_ih_.grad());
+        kernels::sum_rows_accumulate(rows, d3_, dgh, d3_, bias_hh_.grad());
+        if (dx.data()) kernels::gemm_nn(rows, d_, d3_, dgh, d3_, weight_hh_.value(), d_, dx.data(), dx.ld(), T(1));
         if (dy.data())
-            K::gemm_nn(rows, d_, d3_, dgi, d3_, weight_ih_.value(), d_, dy.data(), dy.ld(),
+            kernels::gemm_nn(rows, d_, d3_, dgi, d3_, weight_ih_.value(), d_, dy.data(), dy.ld(),
                        accumulate_dy ? T(1) : T(0));
     }
 

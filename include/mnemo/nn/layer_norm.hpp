@@ -25,7 +25,7 @@ struct norm_stats {
 /// D may be `dynamic` (a runtime-shape model): it is then given at construction.
 template <class T, std::size_t D, class Backend = cpu>
 class layer_norm {
-    using K = checked_ops<Backend>;
+    using kernels = checked_ops<Backend>;
     [[no_unique_address]] extent_holder<D> d_;
 
 public:
@@ -55,7 +55,7 @@ public:
         check_rows(x, y, "layer_norm", "x", "y");
         check_runtime_cols(x, "x");
         check_runtime_cols(y, "y");
-        K::layer_norm_forward(x.rows(), d_, x.data(), x.ld(), weight_.value(), bias_.value(),
+        kernels::layer_norm_forward(x.rows(), d_, x.data(), x.ld(), weight_.value(), bias_.value(),
                               eps_, y.data(), y.ld(), stats.mean, stats.rstd);
     }
     /// y = LN(x), and its normalised rows x̂ = (x − μ)·r (before the scale and shift) into xhat, in one
@@ -67,7 +67,7 @@ public:
         static_assert(check_view<D, XH, axis::d_model, Backend>());
         check_rows(x, y, "layer_norm", "x", "y");
         check_rows(x, xhat, "layer_norm", "x", "xhat");
-        K::layer_norm_forward(x.rows(), d_, x.data(), x.ld(), weight_.value(), bias_.value(),
+        kernels::layer_norm_forward(x.rows(), d_, x.data(), x.ld(), weight_.value(), bias_.value(),
                               eps_, y.data(), y.ld(), static_cast<T*>(nullptr), static_cast<T*>(nullptr), xhat.data(),
                               xhat.ld());
     }
@@ -77,7 +77,7 @@ public:
         static_assert(check_view<D, X, axis::d_model, Backend>());
         static_assert(check_view<D, XH, axis::d_model, Backend>());
         check_rows(x, xhat, "layer_norm", "x", "xhat");
-        K::layer_norm_forward(x.rows(), d_, x.data(), x.ld(), weight_.value(), bias_.value(),
+        kernels::layer_norm_forward(x.rows(), d_, x.data(), x.ld(), weight_.value(), bias_.value(),
                               eps_, static_cast<T*>(nullptr), index_t(0), static_cast<T*>(nullptr),
                               static_cast<T*>(nullptr), xhat.data(), xhat.ld());
     }
@@ -96,7 +96,7 @@ public:
         static_assert(check_view<D, DX, axis::d_model, Backend>());
         check_rows(x, dy, "layer_norm", "x", "dy");
         if (dx.data()) check_rows(x, dx, "layer_norm", "x", "dx");
-        K::layer_norm_backward(x.rows(), d_, x.data(), x.ld(), weight_.value(), stats.mean,
+        kernels::layer_norm_backward(x.rows(), d_, x.data(), x.ld(), weight_.value(), stats.mean,
                                stats.rstd, dy.data(), dy.ld(), dx.data(), dx.ld(), weight_.grad(), bias_.grad(),
                                accumulate_dx);
     }
@@ -116,7 +116,7 @@ public:
         static_assert(check_view<D, DX, axis::d_model, Backend>());
         check_rows(x, dy, "layer_norm", "x", "dy");
         check_rows(x, dx, "layer_norm", "x", "dx");
-        K::layer_norm_backward(x.rows(), d_, x.data(), x.ld(), weight_.value(), stats.mean,
+        kernels::layer_norm_backward(x.rows(), d_, x.data(), x.ld(), weight_.value(), stats.mean,
                                stats.rstd, dy.data(), dy.ld(), dx.data(), dx.ld(), static_cast<T*>(nullptr),
                                static_cast<T*>(nullptr), accumulate_dx);
     }

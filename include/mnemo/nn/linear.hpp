@@ -14,7 +14,7 @@ namespace mnemo {
 
 template <class T, std::size_t In, std::size_t Out, class Backend = cpu>
 class linear {
-    using K = checked_ops<Backend>;
+    using kernels = checked_ops<Backend>;
 
 public:
     static constexpr std::size_t in_features = In;
@@ -51,8 +51,8 @@ public:
         static_assert(check_view<In, X, axis::in_features, Backend>());
         static_assert(check_view<Out, Y, axis::out_features, Backend>());
         check_shapes(x, y, "x", "y");
-        K::gemm_nt(x.rows(), out_, in_, x.data(), x.ld(), weight_.value(), in_, y.data(), y.ld());
-        if (bias_) K::add_bias_rows(y.rows(), out_, bias_.value(), y.data(), y.ld());
+        kernels::gemm_nt(x.rows(), out_, in_, x.data(), x.ld(), weight_.value(), in_, y.data(), y.ld());
+        if (bias_) kernels::add_bias_rows(y.rows(), out_, bias_.value(), y.data(), y.ld());
     }
 
     /// dW += dyᵀ·x, db += Σ dy; dx = dy·W (+= when accumulate_dx; skipped when dx has no data).
@@ -65,7 +65,7 @@ public:
         if (dx.data()) check_shapes(dx, dy, "dx", "dy");
         // The parameters' pointers first (reading them may settle deferred optimizer work).
         T* gb = bias_ ? bias_.grad() : nullptr;
-        K::linear_backward(x.rows(), in_, out_, x.data(), x.ld(), dy.data(), dy.ld(), dx.data() ? weight_.value() : nullptr,
+        kernels::linear_backward(x.rows(), in_, out_, x.data(), x.ld(), dy.data(), dy.ld(), dx.data() ? weight_.value() : nullptr,
                            weight_.grad(), gb, dx.data(), dx.ld(), accumulate_dx);
     }
 
@@ -76,7 +76,7 @@ public:
         static_assert(check_view<Out, DY, axis::out_features, Backend>());
         static_assert(check_view<In, DX, axis::in_features, Backend>());
         check_shapes(dx, dy, "dx", "dy");
-        K::gemm_nn(dy.rows(), in_, out_, dy.data(), dy.ld(), weight_.value(), in_, dx.data(), dx.ld(),
+        kernels::gemm_nn(dy.rows(), in_, out_, dy.data(), dy.ld(), weight_.value(), in_, dx.data(), dx.ld(),
                    accumulate_dx ? T(1) : T(0));
     }
 

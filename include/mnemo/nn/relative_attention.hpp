@@ -112,7 +112,7 @@ enum class memory_attention { automatic, projected, absorbed };
 
 template <class T, class Config, class Backend = cpu>
 class relative_attention {
-    using K = checked_ops<Backend>;
+    using kernels = checked_ops<Backend>;
 
 public:
     static constexpr std::size_t d_model = Config::d_model;  // `dynamic` for runtime_config, as heads and d_head
@@ -216,8 +216,8 @@ public:
                     "all of them");
         last_k_len_ = k_len_;
         last_batch_ = batch_;
-        K::copy(qb, D, q.data(), D, qu.data(), D);
-        K::add_bias_rows(qb, D, u_.value(), qu.data(), D);  // q + u, u [heads·d_k] broadcast over rows
+        kernels::copy(qb, D, q.data(), D, qu.data(), D);
+        kernels::add_bias_rows(qb, D, u_.value(), qu.data(), D);  // q + u, u [heads·d_k] broadcast over rows
 
         // The attention core (kernels: positional window GEMMs, scores, masks, softmax, context).
         relative_attention_state<T> st = core_state(q.data(), qu.data(), kv, absorb);
@@ -227,7 +227,7 @@ public:
         if (key_pad_) {
             st.keep = keep_.ensure(batch_ * k_len_);
             st.keep_any = keep_any_.ensure(batch_);
-            K::key_padding_keep(batch_, k_len_, key_pad_, keep_.data(), keep_any_.data());
+            kernels::key_padding_keep(batch_, k_len_, key_pad_, keep_.data(), keep_any_.data());
         }
         if (absorb) {
             const index_t hq = H * q_len_;
@@ -237,15 +237,15 @@ public:
             st.wv = value_.weight().value();
             st.bv = value_.bias().value();
             st.hat = hat_;
-            st.qt = qt_.ensure(H * qb * D);
-            st.ut = ut_.ensure(H * qb * D);
+            st.q_absorbed = q_absorbed_.ensure(H * qb * D);
+            st.mem_mix = mem_mix_.ensure(H * qb * D);
             st.row_mass = row_mass_.ensure(batch_ * hq);
             if (hat_.zhat) {
-                st.ut_hat = ut_hat_.ensure(H * qb * D);
-                st.thread_blocks = thread_blocks_.ensure(K::parallel_slots(batch_) * hq * (D + 1));
+                st.mem_mix_hat = mem_mix_hat_.ensure(H * qb * D);
+                st.thread_blocks = thread_blocks_.ensure(kernels::parallel_slots(batch_) * hq * (D + 1));
             }
         }
-        K::template relative_attention_forward<extents>(st);
+        kernels::template relative_attention_forward<extents>(st);
         output_.forward(ctx, out);
     }
 
@@ -293,12 +293,12 @@ public:
             st.gv = value_.weight().grad();
             st.gbv = value_.bias().grad();
             st.hat = hat_;
-            st.qt = qt_.data();
-            st.ut = ut_.data();
-            st.ut_hat = ut_hat_.data();
+            st.q_absorbed = q_absorbed_.data();
+            st.mem_mix = mem_mix_.data();
+            st.mem_mix_hat = mem_mix_hat_.data();
             st.row_mass = row_mass_.data();
-            st.dut = dut_.ensure(H * qb * D);
-            st.dqt = dqt_.ensure(H * qb * D);
+            st.d_mem_mix = d_mem_mix_.ensure(H * qb * D);
+            st.d_q_absorbed = d_q_absorbed_.ensure(H * qb * D);
             st.d_bias_score = d_bias_score_.ensure(batch_ * hq);
             // d z of the memory rows is needed for the frozen rows' norm gradients and for the rows
             // that are not frozen; frozen raw rows (no norm) need nothing. One [M, D] block per thread.
@@ -308,7 +308,7 @@ public:
             MNEMO_CHECK(hat || !hat_.z_unwritten, "relative_attention '", name_, "': backward's frozen rows differ "
                         "from the norm rows forward was given, whose z rows were left unwritten");
             const bool norm_rows = frozen.rows > 0 && frozen.zhat, open_rows = frozen.rows < lb && d_zkv.data();
-            const index_t slots = K::parallel_slots(batch_);
+            const index_t slots = kernels::parallel_slots(batch_);
             st.hat_backward = hat;
             st.dz_blocks = !hat && (norm_rows || open_rows) ? dz_mem_.ensure(slots * mem * D) : nullptr;
             st.thread_blocks = hat ? thread_blocks_.ensure(slots * hq * (D + 1)) : nullptr;
@@ -317,9 +317,9 @@ public:
             st.d_zkv = d_zkv.data();
             st.ld_dzkv = d_zkv.ld();
         }
-        K::template relative_attention_backward<extents>(st);
-        K::sum_rows_accumulate(qb, D, dqu.data(), D, u_.grad());        // du = Σ rows d(q+u)
-        K::add(qb, D, dq.data(), D, dqu.data(), D, dq.data(), D);        // dq = d(q+u) + positional part
+        kernels::template relative_attention_backward<extents>(st);
+        kernels::sum_rows_accumulate(qb, D, dqu.data(), D, u_.grad());        // du = Σ rows d(q+u)
+        kernels::add(qb, D, dq.data(), D, dqu.data(), D, dq.data(), D);        // dq = d(q+u) + positional part
 
         if (absorb) {
             // The segment's rows as usual (the absorbed backward took care of the memory's).
@@ -330,7 +330,7 @@ public:
             project_kv_backward(kb - fr, zkv.data() + fr * zkv.ld(), zkv.ld(), dkv + fr * 2 * D,
                                 d_zkv.data() ? d_zkv.data() + fr * d_zkv.ld() : nullptr, d_zkv.ld());
             if (frozen.zhat)
-                K::frozen_norm_backward(index_t(D), frozen, dkv, key_.weight().value(), value_.weight().value(),
+                kernels::frozen_norm_backward(index_t(D), frozen, dkv, key_.weight().value(), value_.weight().value(),
                                         key_.weight().grad(), value_.weight().grad(), value_.bias().grad(),
                                         frozen_g_.ensure(2 * D * D), frozen_c_.ensure(2 * D));
             else project_kv_backward(fr, zkv.data(), zkv.ld(), dkv, nullptr, 0);
@@ -477,12 +477,12 @@ private:
     void project_kv(index_t rows, const T* z, index_t ldz, T* kv) const {
         const T *wk = key_.weight().value(), *wv = value_.weight().value();
         if (kv_fused()) {
-            K::gemm_nt(rows, 2 * D, D, z, ldz, wk, D, kv, 2 * D);
+            kernels::gemm_nt(rows, 2 * D, D, z, ldz, wk, D, kv, 2 * D);
         } else {
-            K::gemm_nt(rows, D, D, z, ldz, wk, D, kv, 2 * D);
-            K::gemm_nt(rows, D, D, z, ldz, wv, D, kv + D, 2 * D);
+            kernels::gemm_nt(rows, D, D, z, ldz, wk, D, kv, 2 * D);
+            kernels::gemm_nt(rows, D, D, z, ldz, wv, D, kv + D, 2 * D);
         }
-        K::add_bias_rows(rows, D, value_.bias().value(), kv + D, 2 * D);
+        kernels::add_bias_rows(rows, D, value_.bias().value(), kv + D, 2 * D);
     }
 
     /// [dW_k; dW_v] += dkvᵀ·z, db_v += Σ rows dv; dz = dkv·[W_k; W_v] (skipped when dz is null). The
@@ -490,7 +490,7 @@ private:
     void project_kv_backward(index_t rows, const T* z, index_t ldz, const T* dkv, T* dz, index_t lddz) const {
         const T *wk = key_.weight().value(), *wv = value_.weight().value();
         T *gk = key_.weight().grad(), *gv = value_.weight().grad(), *gbv = value_.bias().grad();
-        K::kv_projection_backward(rows, index_t(D), z, ldz, dkv, wk, wv, gk, gv, gbv, kv_fused(), dz, lddz);
+        kernels::kv_projection_backward(rows, index_t(D), z, ldz, dkv, wk, wv, gk, gv, gbv, kv_fused(), dz, lddz);
     }
 
     std::string name_;
@@ -511,10 +511,11 @@ private:
     index_t kv_base_ = 0;  // kv_'s first position (reuse_kv slides it)
     // Scratch: positional scores / their gradient [H, Q·B, W]; backward's gradients.
     buffer<T, Backend> pos_, d_ctx_, dqu_, dq_, dkv_, d_scores_, col_sums_, frozen_g_, frozen_c_;
-    // Absorbed memory: saved q̃, U, Û (with hat_) [H·Q, B, D] and Σ_{j<M} a [B, H, Q]; backward's dU, d q̃, the memory
-    // rows' d z (one [M, D] block per thread), the bias share of d a [B, H, Q], and the norm
-    // gradients' partial sums [B, 2D].
-    buffer<T, Backend> qt_, ut_, ut_hat_, row_mass_, dut_, dqt_, dz_mem_, d_bias_score_, norm_acc_, thread_blocks_;
+    // Absorbed memory: saved q̃ (q_absorbed_), U (mem_mix_), Û (mem_mix_hat_, with hat_) [H·Q, B, D] and
+    // Σ_{j<M} a [B, H, Q]; backward's dU, d q̃, the memory rows' d z (one [M, D] block per thread), the
+    // bias share of d a [B, H, Q], and the norm gradients' partial sums [B, 2D].
+    buffer<T, Backend> q_absorbed_, mem_mix_, mem_mix_hat_, row_mass_, d_mem_mix_, d_q_absorbed_, dz_mem_, d_bias_score_,
+        norm_acc_, thread_blocks_;
 };
 
 }  // namespace mnemo

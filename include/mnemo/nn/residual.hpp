@@ -9,7 +9,7 @@ namespace mnemo {
 /// D may be `dynamic` (a runtime-shape model): the width is then the views' own (checked to agree).
 template <class T, std::size_t D, class Backend = cpu>
 struct residual {
-    using K = checked_ops<Backend>;
+    using kernels = checked_ops<Backend>;
 
     /// The features of v: D, or v's own for a runtime D.
     template <class V>
@@ -30,7 +30,7 @@ struct residual {
             check_cols(f, x.cols(), "residual", "f");
             check_cols(y, x.cols(), "residual", "y");
         }
-        K::add(x.rows(), width(x), x.data(), x.ld(), f.data(), f.ld(), y.data(), y.ld());
+        kernels::add(x.rows(), width(x), x.data(), x.ld(), f.data(), f.ld(), y.data(), y.ld());
     }
 
     /// dx (= or +=) dy, df (= or +=) dy; either may be an empty view to skip it.
@@ -43,13 +43,13 @@ struct residual {
             check_rows(dy, dx, "residual", "dy", "dx");
             if constexpr (D == dynamic) check_cols(dx, dy.cols(), "residual", "dx");
             if (dx.data() != dy.data() || accumulate)
-                K::copy(dy.rows(), width(dy), dy.data(), dy.ld(), dx.data(), dx.ld(), accumulate);
+                kernels::copy(dy.rows(), width(dy), dy.data(), dy.ld(), dx.data(), dx.ld(), accumulate);
         }
         if (df.data()) {
             check_rows(dy, df, "residual", "dy", "df");
             if constexpr (D == dynamic) check_cols(df, dy.cols(), "residual", "df");
             if (df.data() != dy.data() || accumulate)
-                K::copy(dy.rows(), width(dy), dy.data(), dy.ld(), df.data(), df.ld(), accumulate);
+                kernels::copy(dy.rows(), width(dy), dy.data(), dy.ld(), df.data(), df.ld(), accumulate);
         }
     }
 };

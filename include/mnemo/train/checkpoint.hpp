@@ -38,7 +38,7 @@
 
 #include "../core/error.hpp"
 #include "../kernels/cpu/ops.hpp"
-#include "safetensors.hpp"
+#include "../io/safetensors.hpp"
 
 namespace mnemo {
 

@@ -30,7 +30,7 @@
 #include <span>
 #include <utility>
 
-#include "../core/parallel.hpp"
+#include "../kernels/cpu/parallel.hpp"
 #include "../core/error.hpp"
 #include "../core/parameters.hpp"
 #include "../core/shape.hpp"

@@ -57,7 +57,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "../core/parallel.hpp"
+#include "../kernels/cpu/parallel.hpp"
 #include "../core/buffer.hpp"
 #include "../core/error.hpp"
 #include "../core/parameters.hpp"

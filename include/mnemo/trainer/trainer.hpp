@@ -67,7 +67,7 @@
 #include "../train/checkpoint.hpp"
 #include "../train/clip.hpp"
 #include "../train/optimizer.hpp"
-#include "../train/safetensors.hpp"
+#include "../io/safetensors.hpp"
 #include "../train/schedule.hpp"
 #include "../train/text_data.hpp"
 #include "streams.hpp"

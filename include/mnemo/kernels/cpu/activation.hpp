@@ -7,7 +7,7 @@
 #include <cmath>
 #include <type_traits>
 
-#include "../../core/parallel.hpp"
+#include "parallel.hpp"
 #include "../../core/activation.hpp"
 #include "../../core/backend.hpp"
 #include "../../core/shape.hpp"

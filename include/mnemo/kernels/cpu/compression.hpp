@@ -5,7 +5,7 @@
 #include <cmath>
 #include <cstddef>
 
-#include "../../core/parallel.hpp"
+#include "parallel.hpp"
 #include "../../core/shape.hpp"
 
 namespace mnemo::cpu_kernels {

@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <limits>
 
-#include "../../core/parallel.hpp"
+#include "parallel.hpp"
 #include "../../core/error.hpp"
 #include "../../core/shape.hpp"
 #include "simd.hpp"

@@ -4,7 +4,7 @@
 // the same mask from (seed, offset), so nothing is stored. p = 0 is the identity; p = 1 zeroes.
 #include <cstdint>
 
-#include "../../core/parallel.hpp"
+#include "parallel.hpp"
 #include "../../core/rng.hpp"
 #include "../../core/shape.hpp"
 

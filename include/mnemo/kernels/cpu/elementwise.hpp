@@ -2,7 +2,7 @@
 // Small row-wise helpers: bias broadcast, column sums (bias gradients), adds and copies.
 #include <algorithm>
 
-#include "../../core/parallel.hpp"
+#include "parallel.hpp"
 #include "../../core/shape.hpp"
 #include "simd.hpp"
 

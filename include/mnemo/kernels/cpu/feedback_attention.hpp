@@ -3,7 +3,7 @@
 // kernels/feedback_attention_state.hpp the arguments). The per-(batch row, head) loops are too short
 // for a GEMM call to pay off (t × d_k with d_k = 64), so they run as vectorised loops over d_k, a
 // compile-time extent for a static config; the rows go to threads when there are enough of them.
-#include "../../core/parallel.hpp"
+#include "parallel.hpp"
 #include "../../core/shape.hpp"
 #include "../feedback_attention_state.hpp"
 #include "gemm.hpp"

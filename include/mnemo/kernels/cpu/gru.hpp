@@ -3,7 +3,7 @@
 // projections and the gated output, and their backward.
 #include <cmath>
 
-#include "../../core/parallel.hpp"
+#include "parallel.hpp"
 #include "../../core/shape.hpp"
 
 namespace mnemo::cpu_kernels {

@@ -8,7 +8,7 @@
 // depend on the thread count.
 #include <cmath>
 
-#include "../../core/parallel.hpp"
+#include "parallel.hpp"
 #include "../../core/shape.hpp"
 #include "simd.hpp"
 

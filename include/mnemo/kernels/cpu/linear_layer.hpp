@@ -1,7 +1,7 @@
 #pragma once
 // The backward of a linear layer y = x·Wᵀ + b as one kernel, so the choice of running its two
 // independent halves side by side is the kernel's, not the module's.
-#include "../../core/parallel.hpp"
+#include "parallel.hpp"
 #include "../../core/shape.hpp"
 #include "elementwise.hpp"
 #include "gemm.hpp"

@@ -5,7 +5,7 @@
 // the key masks from the memory's padding, and the key/value projections of both key sets.
 #include <cstdint>
 
-#include "../../core/parallel.hpp"
+#include "parallel.hpp"
 #include "../../core/shape.hpp"
 #include "elementwise.hpp"
 #include "gemm.hpp"

@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "../../core/parallel.hpp"
+#include "parallel.hpp"
 #include "../../core/shape.hpp"
 #include "../relative_attention_state.hpp"
 #include "elementwise.hpp"
@@ -247,7 +247,8 @@ private:
         });
     }
 
-    // Absorbed memory (z: the memory's rows): see nn/relative_attention.hpp. Per head h, W_k,h and
+    // Absorbed memory (z: the memory's rows): see nn/relative_attention.hpp. Locals qt, ut, uh, dut,
+    // dqt are q̃ (q_absorbed), U (mem_mix), Û (mem_mix_hat) and their gradients. Per head h, W_k,h and
     // W_v,h are the rows [h·d_k, (h+1)·d_k) of W_k and W_v [D, D]:
     //   q̃_h = (q + u)_h·W_k,h [Q·B, D]             score[i, j < M] = q̃_h,i · z_j
     //   U_h = A_h,mem·z      [Q·B, D]             context_h += U_h·W_v,hᵀ + (Σ_{j<M} a[i, j])·b_v,h
@@ -267,9 +268,9 @@ private:
         const index_t ldb = batch_ * D, ldzb = batch_ * ldz;
         const T *wk = s.wk, *wv = s.wv, *bv = s.bv;
         const frozen_key_rows<T>& hat_ = s.hat;
-        T *qt = s.qt, *ut = s.ut, *rs = s.row_mass;
+        T *qt = s.q_absorbed, *ut = s.mem_mix, *rs = s.row_mass;
         const bool hat = hat_.zhat != nullptr;
-        T* uh = hat ? s.ut_hat : nullptr;
+        T* uh = hat ? s.mem_mix_hat : nullptr;
         const index_t ldhb = batch_ * hat_.ld_zhat;
         T* blocks = hat ? s.thread_blocks : nullptr;
         for_each_head(qb * D * Dk, [&](index_t h) {
@@ -326,8 +327,8 @@ private:
         const index_t ldb = batch_ * D, ldzb = batch_ * ldz;
         const T *wk = s.wk, *wv = s.wv, *bv = s.bv;
         T *gk = s.gk, *gv = s.gv, *gbv = s.gbv;
-        const T *attn = s.attn, *qt = s.qt, *ut = s.ut, *rs = s.row_mass;
-        T *dut = s.dut, *dqt = s.dqt;
+        const T *attn = s.attn, *qt = s.q_absorbed, *ut = s.mem_mix, *rs = s.row_mass;
+        T *dut = s.d_mem_mix, *dqt = s.d_q_absorbed;
         T* dc = s.d_bias_score;
         // d z of the memory rows (one [M, D] block per thread) is needed for the frozen rows' norm
         // gradients and for the rows that are not frozen; with the forward's ẑ and the same rows
@@ -335,7 +336,7 @@ private:
         const bool hat = s.hat_backward;
         T* dz_blocks = s.dz_blocks;
         T* blocks = hat ? s.thread_blocks : nullptr;
-        const T* uh = s.ut_hat;
+        const T* uh = s.mem_mix_hat;
         const index_t ldhb = batch_ * frozen.ld_zhat;
         T* norm_partial = s.norm_partial;  // [B, 2D]: Σ dz∘ẑ, Σ dz
         for_each_head(2 * qb * D * Dk, [&](index_t h) {

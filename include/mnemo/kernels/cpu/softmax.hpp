@@ -8,7 +8,7 @@
 #include <limits>
 #include <type_traits>
 
-#include "../../core/parallel.hpp"
+#include "parallel.hpp"
 #include "../../core/shape.hpp"
 #include "simd.hpp"
 

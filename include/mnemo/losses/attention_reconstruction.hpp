@@ -36,7 +36,7 @@ namespace mnemo {
 
 template <class T, class Config, class Backend = cpu>
 class attention_reconstruction {
-    using K = checked_ops<Backend>;
+    using kernels = checked_ops<Backend>;
     static constexpr std::size_t DM = Config::d_model;
     // d_model, heads, d_head: compile-time constants for a static config, runtime values for runtime_config.
     [[no_unique_address]] extent_holder<Config::d_model> D;
@@ -109,7 +109,7 @@ public:
             attn.query().forward(hn, qw);
             q = qw;
         }
-        K::key_value_projections(mb, cb, index_t(D), mn.data(), mn.ld(), cn.data(), cn.ld(),
+        kernels::key_value_projections(mb, cb, index_t(D), mn.data(), mn.ld(), cn.data(), cn.ld(),
                                  attn.key().weight().value(), attn.value().weight().value(),
                                  attn.value().bias().value(), km.data(), kc.data(), vm.data(), vc.data());
 
@@ -119,7 +119,7 @@ public:
         // Key masks [B, n] (1 = visible) from the padding of m and of the compressed slots.
         const std::uint8_t *keep_m = nullptr, *keep_c = nullptr, *any_m = nullptr, *any_c = nullptr;
         if (m_pad) {
-            K::reconstruction_keep(batch, m_len, c_len, m_pad, keep_m_.ensure(batch * m_len),
+            kernels::reconstruction_keep(batch, m_len, c_len, m_pad, keep_m_.ensure(batch * m_len),
                                    keep_c_.ensure(batch * c_len), any_m_.ensure(batch), any_c_.ensure(batch));
             keep_m = keep_m_.data();
             keep_c = keep_c_.data();
@@ -127,9 +127,9 @@ public:
             any_c = any_c_.data();
         }
         const T scale = T(1) / std::sqrt(T(index_t(Dk)));
-        K::template plain_attention_forward<extents>(batch, H, D, Dk, q_len, m_len, scale, q.data(), km.data(),
+        kernels::template plain_attention_forward<extents>(batch, H, D, Dk, q_len, m_len, scale, q.data(), km.data(),
                                                      vm.data(), a_m, out_m.data(), keep_m, any_m);
-        K::template plain_attention_forward<extents>(batch, H, D, Dk, q_len, c_len, scale, q.data(), kc.data(),
+        kernels::template plain_attention_forward<extents>(batch, H, D, Dk, q_len, c_len, scale, q.data(), kc.data(),
                                                      vc.data(), a_c, out_c.data(), keep_c, any_c);
 
         // MSE over the unpadded query rows, summed in double in a fixed order; d out_c = 2 (out_c − out_m) / N.
@@ -138,7 +138,7 @@ public:
             for (index_t r = 0; r < qb; ++r) rows_counted -= h_pad[r] != 0;
         const index_t n = rows_counted * D;
         T* diff = diff_.ensure(qb * D);
-        K::squared_difference_rows(qb, index_t(D), out_c.data(), index_t(D), out_m.data(), index_t(D), h_pad, diff,
+        kernels::squared_difference_rows(qb, index_t(D), out_c.data(), index_t(D), out_m.data(), index_t(D), h_pad, diff,
                                    index_t(D), sum_.ensure(1));
         if (n == 0) return T(0);
         double sum = 0;  // the host path: the loss is returned now
@@ -147,11 +147,11 @@ public:
         if (!with_grad || !Compression::has_parameters) return loss;
 
         const T g = T(2) / T(n);
-        K::scale(1, qb * D, diff, qb * D, g, diff, qb * D);  // now d loss / d out_c (0 on padded rows)
+        kernels::scale(1, qb * D, diff, qb * D, g, diff, qb * D);  // now d loss / d out_c (0 on padded rows)
         view<T, DM, Backend> dkc(dkc_.ensure(cb * D), cb, D), dvc(dvc_.ensure(cb * D), cb, D),
             dcn(dcn_.ensure(cb * D), cb, D), dcm(dcm_.ensure(cb * D), cb, D);
         T* da = da_.ensure(batch * H * q_len * c_len);
-        K::template plain_attention_backward<extents>(batch, H, D, Dk, q_len, c_len, scale, q.data(), vc.data(), a_c,
+        kernels::template plain_attention_backward<extents>(batch, H, D, Dk, q_len, c_len, scale, q.data(), vc.data(), a_c,
                                                       diff, da, dkc.data(), dvc.data());
         attn.key().backward_input(dkc, dcn);
         attn.value().backward_input(dvc, dcn, true);

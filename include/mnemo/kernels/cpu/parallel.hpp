@@ -20,7 +20,7 @@
 
 #include <algorithm>
 
-#include "shape.hpp"
+#include "../../core/shape.hpp"
 
 namespace mnemo {
 

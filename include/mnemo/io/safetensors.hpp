@@ -43,7 +43,7 @@
 #include <vector>
 
 #include "../core/error.hpp"
-#include "../core/json.hpp"
+#include "json.hpp"
 #include "../core/parameters.hpp"
 #include "../core/shape.hpp"
 

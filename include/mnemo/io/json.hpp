@@ -21,7 +21,7 @@
 #include <utility>
 #include <vector>
 
-#include "error.hpp"
+#include "../core/error.hpp"
 
 namespace mnemo::json {
 

@@ -49,8 +49,7 @@ namespace mnemo {
 /// D and Rate may be `dynamic` (a runtime-shape model): they are then given at construction.
 template <class T, std::size_t D, std::size_t Rate, class Backend = cpu>
 class conv_transpose_decoder {
-    using K = checked_ops<Backend>;
-    using C = checked_ops<Backend>;
+    using kernels = checked_ops<Backend>;
     static_assert(expect_compression_rate<Rate>::value);
     [[no_unique_address]] extent_holder<D> d_;
     [[no_unique_address]] extent_holder<Rate> c_;
@@ -90,9 +89,9 @@ public:
         static_assert(check_view<D, O, axis::d_model, Backend>());
         const index_t rows = check(cm, batch, out, "out");
         T* y = y_.ensure(rows * k_);  // Y [n·batch, D·Rate], column o·Rate + t
-        K::gemm_nn(rows, k_, d_, cm.data(), cm.ld(), weight_.value(), k_, y, k_);
-        C::template col2im_time<Rate>(rows, batch, d_, y, out.data(), out.ld(), c_);
-        K::add_bias_rows(rows * c_, d_, bias_.value(), out.data(), out.ld());
+        kernels::gemm_nn(rows, k_, d_, cm.data(), cm.ld(), weight_.value(), k_, y, k_);
+        kernels::template col2im_time<Rate>(rows, batch, d_, y, out.data(), out.ld(), c_);
+        kernels::add_bias_rows(rows * c_, d_, bias_.value(), out.data(), out.ld());
     }
 
     /// dW += cmᵀ·im2col(d_out), db += Σ d_out; d_cm = ∂/∂cm (assigned; skipped when d_cm has no
@@ -108,10 +107,10 @@ public:
             MNEMO_CHECK(d_cm.rows() == rows, who_, ": d_cm has ", d_cm.rows(), " rows but cm has ", rows);
         }
         T* dy = dy_.ensure(rows * k_);  // dY [n·batch, D·Rate]
-        C::template im2col_time<Rate>(rows, batch, d_, d_out.data(), d_out.ld(), dy, c_);
-        K::gemm_tn(d_, k_, rows, cm.data(), cm.ld(), dy, k_, weight_.grad(), k_, T(1));
-        K::sum_rows_accumulate(rows * c_, d_, d_out.data(), d_out.ld(), bias_.grad());
-        if (d_cm.data()) K::gemm_nt(rows, d_, k_, dy, k_, weight_.value(), k_, d_cm.data(), d_cm.ld());
+        kernels::template im2col_time<Rate>(rows, batch, d_, d_out.data(), d_out.ld(), dy, c_);
+        kernels::gemm_tn(d_, k_, rows, cm.data(), cm.ld(), dy, k_, weight_.grad(), k_, T(1));
+        kernels::sum_rows_accumulate(rows * c_, d_, d_out.data(), d_out.ld(), bias_.grad());
+        if (d_cm.data()) kernels::gemm_nt(rows, d_, k_, dy, k_, weight_.value(), k_, d_cm.data(), d_cm.ld());
     }
 
     const std::string& name() const { return name_; }
@@ -176,7 +175,7 @@ public:
 
         // MSE, summed in double in a fixed order; y becomes y − m.
         const index_t n = mb * d_;
-        K::squared_difference_rows(mb, index_t(d_), y.data(), y.ld(), m.data(), m.ld(), nullptr, y.data(), y.ld(),
+        kernels::squared_difference_rows(mb, index_t(d_), y.data(), y.ld(), m.data(), m.ld(), nullptr, y.data(), y.ld(),
                                    sum_.ensure(1));
         double sum = 0;  // the host path: the loss is returned now
         device_memory<Backend>::download(&sum, sum_.data(), sizeof(double));
@@ -184,7 +183,7 @@ public:
         if (!with_grad) return loss;
 
         const T scale = static_cast<T>(2.0 / double(n));
-        K::scale(mb, index_t(d_), y.data(), y.ld(), scale, y.data(), y.ld());  // now d loss / d y
+        kernels::scale(mb, index_t(d_), y.data(), y.ld(), scale, y.data(), y.ld());  // now d loss / d y
         if constexpr (Compression::has_parameters) {
             view<T, D, Backend> dcm(dcm_.ensure(cb * d_), cb, d_);
             g.backward(view<const T, D, Backend>(cm), batch, view<const T, D, Backend>(y), dcm);
@@ -196,7 +195,7 @@ public:
     }
 
 private:
-    using K = checked_ops<Backend>;
+    using kernels = checked_ops<Backend>;
     buffer<T, Backend> cm_, y_, dcm_;  // f_c(m) [n·batch, D], g(cm) then its gradient [n·Rate·batch, D], d cm
     buffer<double, Backend> sum_;      // the squared differences' sum
 };
