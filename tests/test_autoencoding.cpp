@@ -1,4 +1,4 @@
-// The auto-encoding loss (train/autoencoding_reconstruction.hpp): the ConvTranspose1d decoder against
+// The auto-encoding loss (losses/autoencoding_reconstruction.hpp): the ConvTranspose1d decoder against
 // a plain loop of the PyTorch semantics, its backward and the whole loss against finite differences
 // in double (conv and max-pool compression), gradients reaching only f_c and the decoder, gradient
 // accumulation, no heap allocation once the buffers have grown, and golden values from PyTorch

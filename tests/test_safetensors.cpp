@@ -1,4 +1,4 @@
-// Tests for core/json.hpp and train/safetensors.hpp: round trips compared bit for bit, a file
+// Tests for io/json.hpp and io/safetensors.hpp: round trips compared bit for bit, a file
 // laid out by hand from the spec, every rejection the reader promises (each message checked for
 // its key words, the file and the tensor), atomic writes under failure, and mutated files.
 #include <doctest/doctest.h>

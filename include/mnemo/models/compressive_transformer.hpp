@@ -41,7 +41,7 @@
 //   layer, in increasing layer order (memory_slot(l) maps a layer to it). The reconstruction loss
 //   sums over the memory layers. Empty (the default): every layer.
 //
-// reconstruction_kind::autoencoding (the paper's alternative loss, train/autoencoding_reconstruction.hpp):
+// reconstruction_kind::autoencoding (the paper's alternative loss, losses/autoencoding_reconstruction.hpp):
 //   mean((g(f_c(m)) − m)²) with a ConvTranspose1d decoder g per memory layer,
 //   `transformer.layers.<l>.decoder.{weight,bias}`; only f_c and g receive its gradient.
 //
@@ -688,7 +688,7 @@ public:
     //   query with no real key visible attends to nothing: its attention context is zero (the
     //   sub-layer yields the output projection's bias; see relative_attention), never NaN. The
     //   attention-reconstruction loss leaves padded queries and padded slots out (see
-    //   train/attention_reconstruction.hpp); the auto-encoding loss does not read the mask. The
+    //   losses/attention_reconstruction.hpp); the auto-encoding loss does not read the mask. The
     //   cross-entropy does not read the mask either: pass target −1 (ignored) at padded positions.
     //   Without a mask (or an all-zero one, with no padded slot in the memory) everything is bitwise as
     //   without padding.

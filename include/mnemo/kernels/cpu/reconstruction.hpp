@@ -1,6 +1,6 @@
 #pragma once
-// The reconstruction losses' kernels (train/attention_reconstruction.hpp,
-// train/autoencoding_reconstruction.hpp): the masked squared difference and its double-precision sum,
+// The reconstruction losses' kernels (losses/attention_reconstruction.hpp,
+// losses/autoencoding_reconstruction.hpp): the masked squared difference and its double-precision sum,
 // the plain (position-free) attention over the memory and over its compression with its backward,
 // the key masks from the memory's padding, and the key/value projections of both key sets.
 #include <cstdint>
