@@ -76,6 +76,14 @@ TEST_CASE("fenced backend: a host access to a fenced buffer kills the process an
 }
 
 TEST_CASE("fenced backend: kernels and the host path reach fenced buffers; the fence closes after them") {
+    const std::size_t regions_before = fence::live_regions();
+    {
+        buffer<float, fenced> grown;
+        grown.ensure(10);
+        grown.ensure(100000);  // the old block is released
+        CHECK(fence::live_regions() == regions_before + 1);
+    }
+    CHECK(fence::live_regions() == regions_before);  // and the last one with the buffer
     buffer<float, fenced> a, b, c;
     upload(a, std::vector<float>{1, 2, 3, 4, 5, 6});
     upload(b, std::vector<float>{10, 20, 30, 40, 50, 60});
