@@ -123,7 +123,7 @@ struct model {
         using K = mnemo::ops<mnemo::cpu>;
         const index_t b = static_cast<index_t>(targets.size()), v = vocab();
         view<float> lv = forward(contexts);
-        K::cross_entropy_check_targets(b, v, targets.data());
+        mnemo::check_targets(targets, v);
         view<float> dl(d_logits.ensure(b * v), b, v);
         float* rows = losses.ensure(b);
         K::cross_entropy_fused(b, v, lv.data(), v, targets.data(), rows, 1.0f / float(b), dl.data(), v);

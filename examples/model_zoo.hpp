@@ -13,7 +13,7 @@
 // environment variable MNEMO_FORCE_DYNAMIC=1 sends every shape down the runtime-shape path (to compare
 // the two, or to test it).
 //
-// The compression functions of nn/compression_extra.hpp (dilated convolutions, most-used) are compiled
+// The compression functions of nn/compression/dilated_conv.hpp and most_used.hpp are compiled
 // only for the configurations of MNEMO_EXAMPLE_EXTRA_COMPRESSION_CONFIGS (the trainer's text and recall
 // defaults, and the tests'), not for every line above: each one is a whole model instantiation more.
 // The other lines run them through the runtime-shape model. The runtime variants (GRU residuals,
@@ -51,7 +51,7 @@ namespace mnemo::examples {
 
 /// feedback: the original Feedback Transformer (per-layer keys/values); feedback_kv: shared keys/values.
 enum class model_kind { compressive, xl, feedback, feedback_kv };
-/// conv, max, mean: nn/compression.hpp; dilated, most_used: nn/compression_extra.hpp (fewer configurations).
+/// conv, max, mean: nn/compression/conv.hpp, pooling.hpp; dilated, most_used: nn/compression/dilated_conv.hpp, most_used.hpp (fewer configurations).
 enum class compression_kind { conv, max, mean, dilated, most_used };
 
 inline model_kind parse_model_kind(const std::string& s) {

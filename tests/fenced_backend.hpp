@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <type_traits>
 #include <utility>
 
 #include "mnemo/kernels/cpu/memory.hpp"
@@ -180,7 +181,43 @@ struct device_memory<fenced> {
     }
 };
 
-/// Every kernel of the table: the CPU's, inside an open fence. Three forms per name: no explicit
+/// Pointer arguments. A kernel of a device backend can only reach device memory, so every pointer a
+/// module hands a kernel must point into a fenced buffer (or be null): a host pointer (a token array,
+/// a host vector of flags) would read on the CPU and fail on a GPU. check_pointer_args names the
+/// kernel and the argument and aborts. The arguments that are structs of pointers (the attention
+/// kernels' states) are not looked into.
+namespace fence {
+inline bool fenced_or_null(const void* p) {
+    if (!p) return true;
+    const std::uintptr_t at = reinterpret_cast<std::uintptr_t>(p);
+    std::lock_guard g(global().lock);
+    for (const region& r : global().regions)
+        if (r.bytes && at >= r.begin && at <= r.begin + r.bytes) return true;
+    return false;
+}
+template <class A>
+void check_pointer_arg(const char* kernel, int i, const A& a) {
+    if constexpr (std::is_pointer_v<std::remove_cvref_t<A>>) {
+        if (!fenced_or_null(static_cast<const void*>(a))) {
+            write_str("fenced backend: kernel '");
+            write_str(kernel);
+            write_str("' was given a host pointer as argument ");
+            write_num(std::size_t(i));
+            write_str(" (a backend's kernels reach only its own memory); called from:\n");
+            void* frames[48];
+            backtrace_symbols_fd(frames, backtrace(frames, 48), 2);
+            std::abort();
+        }
+    }
+}
+template <class... A>
+void check_pointer_args(const char* kernel, const A&... a) {
+    int i = 0;
+    (check_pointer_arg(kernel, i++, a), ...);
+}
+}  // namespace fence
+
+/// Every kernel of the table: the CPU's, inside an open fence, after check_pointer_args. Three forms per name: no explicit
 /// template arguments, a value (head_gemm_nt<d_head>) or a type (activation_forward<relu>).
 namespace fence {
 /// ops<cpu>, named through the call's argument types so that `::template name<V>` is looked up only
@@ -196,16 +233,19 @@ struct ops<fenced> {
 #define MNEMO_FENCED_KERNEL(name)                                                      \
     template <class... A>                                                              \
     static decltype(auto) name(A&&... a) {                                             \
+        fence::check_pointer_args(#name, a...);                                        \
         fence::open_scope open;                                                        \
         return ops<cpu>::name(std::forward<A>(a)...);                                  \
     }                                                                                  \
     template <auto V, class... A>                                                      \
     static decltype(auto) name(A&&... a) {                                             \
+        fence::check_pointer_args(#name, a...);                                        \
         fence::open_scope open;                                                        \
         return fence::cpu_ops<A...>::type::template name<V>(std::forward<A>(a)...);                      \
     }                                                                                  \
     template <class U, class... A>                                                     \
     static decltype(auto) name(A&&... a) {                                             \
+        fence::check_pointer_args(#name, a...);                                        \
         fence::open_scope open;                                                        \
         return fence::cpu_ops<A...>::type::template name<U>(std::forward<A>(a)...);                      \
     }

@@ -426,7 +426,7 @@ TEST_CASE("compressive_transformer: auto-encoding reconstruction: decoders of me
 }
 
 // ---------------------------------------------------------------------------------------------
-// Compression functions of compression_extra.hpp in the model
+// The dilated and most-used compression functions in the model
 // ---------------------------------------------------------------------------------------------
 
 TEST_CASE("compressive_transformer<dilated_conv_compression>: trains; its reconstruction gradients match finite differences") {

@@ -6,6 +6,9 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -118,7 +121,9 @@ struct small_net {
     feed_forward<float, D, Dff, relu, B> ff1{ps, "ff1"};
     feed_forward<float, D, Dff, gelu, B> ff2{ps, "ff2"};
     linear<float, D, dynamic, B> head{ps, "head", index_t(D), vocab, true};
-    buffer<float, B> x, z, f, r, y, logits, losses, dlogits, dy, dr, df, dz, dx;
+    buffer<float, B> x, z, f, r, y, logits, dlogits, dy, dr, df, dz, dx;
+    cross_entropy_loss<float, B> ce;
+    double loss = 0;
 
     small_net() {
         ps.allocate();
@@ -131,7 +136,6 @@ struct small_net {
     }
 
     void step(const std::vector<token_t>& tokens, const std::vector<token_t>& targets) {
-        using K = checked_ops<B>;
         const index_t n = index_t(tokens.size());
         using v = view<float, D, B>;
         v xv(x.ensure(n * D), n), zv(z.ensure(n * D), n), fv(f.ensure(n * D), n), rv(r.ensure(n * D), n),
@@ -143,8 +147,7 @@ struct small_net {
         residual<float, D, B>::forward(xv, fv, rv);
         ff2.forward(rv, yv);
         head.forward(yv, lv);
-        K::cross_entropy_fused(n, vocab, lv.data(), vocab, targets.data(), losses.ensure(n), 1.0f / float(n), dlv.data(),
-                               vocab);
+        loss = ce(n, vocab, lv.data(), targets, dlv.data());
         ps.zero_grad();
         v dyv(dy.ensure(n * D), n), drv(dr.ensure(n * D), n), dfv(df.ensure(n * D), n), dzv(dz.ensure(n * D), n),
             dxv(dx.ensure(n * D), n);
@@ -170,7 +173,7 @@ struct small_net {
 
 }  // namespace
 
-TEST_CASE("fenced backend: linear, layer norm, feed-forward, residual, embedding and cross-entropy match the CPU bitwise") {
+TEST_CASE("fenced backend: linear, layer norm, feed-forward, residual, embedding and the cross-entropy loss match the CPU bitwise") {
     small_net<cpu> host;
     small_net<fenced> fenced_net;
     CHECK(host.values() == fenced_net.values());
@@ -181,7 +184,7 @@ TEST_CASE("fenced backend: linear, layer norm, feed-forward, residual, embedding
         fenced_net.step(tokens, targets);
         const index_t n = index_t(tokens.size());
         CHECK(download(host.logits, n * vocab) == download(fenced_net.logits, n * vocab));
-        CHECK(download(host.losses, n) == download(fenced_net.losses, n));
+        CHECK(host.loss == fenced_net.loss);
         CHECK(host.grads() == fenced_net.grads());
         CHECK(download(host.dx, n * index_t(D)) == download(fenced_net.dx, n * index_t(D)));
     }
@@ -237,9 +240,10 @@ attention_run run_attention(memory_attention mode, index_t Q, int variant, bool 
         for (index_t i = 0; i < AD; ++i) zkv_h[r * AD + i] = zhat_h[r * AD + i] * gamma_h[i] + beta_h[i];
     auto r_h = testing::random_vector<float>(Q * Bt * AD, 46);
     std::vector<std::uint8_t> pad(std::size_t(Kn * Bt), 0);
+    buffer<std::uint8_t, B> pad_flags;
     if (variant == 1) {
         pad[0 * Bt + 1] = pad[3 * Bt + 1] = pad[2 * Bt + 2] = 1;
-        attn.set_key_padding(pad.data());  // host flags, read by a kernel
+        attn.set_key_padding(pad_flags.upload(pad));  // the backend's memory, read by a kernel
     }
     if (variant == 2) attn.set_clamp_len(3);
     auto zkv = on<float, B>(zkv_h), zhat = on<float, B>(zhat_h), gamma = on<float, B>(gamma_h),
@@ -452,16 +456,77 @@ TEST_CASE("fenced backend: a feedback attention step matches the CPU bitwise") {
 namespace {
 
 struct model_run {
-    std::vector<double> ce, ar;
+    std::vector<double> ce, ar, norms;
     std::vector<std::vector<float>> grads;
     index_t compressed = 0;  // memory slots compressed over the segments
 };
 
+enum class optim_kind { adamw, labml, adam, sgd };
+
+/// One optimizer of each kind over a parameter_set<float, B>, stepped after clipping, and resumed by
+/// the host path: its state downloaded, a new optimizer made, the state set into it.
+template <class B>
+struct optimizer_run {
+    optim_kind kind;
+    index_t n;
+    std::unique_ptr<adamw<float, B>> aw;
+    std::unique_ptr<labml_adam<float, B>> lb;
+    std::unique_ptr<adam<float, B>> ad;
+    std::unique_ptr<sgd<float, B>> sg;
+
+    optimizer_run(optim_kind k, index_t size) : kind(k), n(size) { make(); }
+    void make() {
+        switch (kind) {
+            case optim_kind::adamw: aw = std::make_unique<adamw<float, B>>(n, adamw_options{.lr = 1e-2, .weight_decay = 0.1}); break;
+            case optim_kind::labml: lb = std::make_unique<labml_adam<float, B>>(n, labml_adam_options{.lr = 1e-2, .weight_decay = 0.05}); break;
+            case optim_kind::adam: ad = std::make_unique<adam<float, B>>(n, adam_options{.lr = 1e-2, .weight_decay = 0.01}); break;
+            case optim_kind::sgd: sg = std::make_unique<sgd<float, B>>(n, sgd_options{.lr = 0.1, .momentum = 0.9, .nesterov = true}); break;
+        }
+    }
+    void step(parameter_set<float, B>& ps) {
+        switch (kind) {
+            case optim_kind::adamw: aw->step(ps); break;
+            case optim_kind::labml: lb->step(ps, adam_warmup_schedule(1e-2, 3)); break;
+            case optim_kind::adam: ad->step(ps); break;
+            case optim_kind::sgd: sg->step(ps); break;
+        }
+    }
+    template <class O>
+    void resume_adam(std::unique_ptr<O>& o) {
+        std::vector<float> m(std::size_t(n), 1.0f), v(std::size_t(n), 1.0f);
+        o->download_state(m, v);
+        const auto step = o->step_count();
+        o.reset();
+        make();
+        o->set_state(step, m, v);
+    }
+    void resume() {
+        switch (kind) {
+            case optim_kind::adamw: resume_adam(aw); break;
+            case optim_kind::labml: resume_adam(lb); break;
+            case optim_kind::adam: resume_adam(ad); break;
+            case optim_kind::sgd: {
+                std::vector<float> b(std::size_t(n), 1.0f);
+                sg->download_state(b);
+                const auto step = sg->step_count();
+                sg.reset();
+                make();
+                sg->set_state(step, b);
+                break;
+            }
+        }
+    }
+};
+
 /// Four training segments and one evaluation segment of a compressive_transformer<float, config<16, 4, 2>,
-/// Compression, B> with memory 6 and compressed memory 4 (Transformer-XL: none), batch 2, segment 4:
-/// the losses, every segment's parameter gradients and the last logits.
+/// Compression, B> with memory 6 and compressed memory 4 (Transformer-XL: none), batch 2, segment 4,
+/// each training segment followed by clip_grad_norm and a step of the optimizer `k`: the losses, the
+/// norms, every segment's parameter gradients and the final values. With `resume`, the optimizer is
+/// resumed after the second step (its state through the host path into a new one) and the parameter
+/// values make a round trip through the host path: the results must not change.
 template <template <class, std::size_t, std::size_t, class> class Compression, class B>
-model_run run_model(compressive_options o, index_t c_mem_len, bool padded) {
+model_run run_model(compressive_options o, index_t c_mem_len, bool padded, optim_kind k = optim_kind::adamw,
+                    bool resume = false) {
     using model_t = compressive_transformer<float, config<16, 4, 2>, Compression, B>;
     o.vocab = 7;
     o.n_layers = 2;
@@ -471,6 +536,8 @@ model_run run_model(compressive_options o, index_t c_mem_len, bool padded) {
     model.reset_parameters(3);
     auto mem = model.make_memory(6, c_mem_len);
     const index_t batch = 2, q = 4;
+    auto& ps = model.parameters();
+    optimizer_run<B> opt(k, ps.size());
     model_run r;
     rng g(17);
     for (int seg = 0; seg < 5; ++seg) {
@@ -489,7 +556,20 @@ model_run run_model(compressive_options o, index_t c_mem_len, bool padded) {
         std::vector<float> grads(std::size_t(model.parameters().size()));
         model.parameters().download_all_grads(grads);
         r.grads.push_back(std::move(grads));
+        if (seg < 4) {
+            r.norms.push_back(clip_grad_norm(ps, 0.5));
+            opt.step(ps);
+        }
+        if (resume && seg == 1) {
+            opt.resume();
+            std::vector<float> values(std::size_t(ps.size()));
+            ps.download_all_values(values);
+            ps.upload_all_values(values);
+        }
     }
+    std::vector<float> values(std::size_t(ps.size()));
+    ps.download_all_values(values);
+    r.grads.push_back(std::move(values));
     return r;
 }
 
@@ -497,30 +577,39 @@ void check_same(const model_run& c, const model_run& f, bool compresses = true) 
     CHECK((c.compressed > 0) == compresses);  // the merges compressed (the reconstruction losses ran)
     CHECK(c.ce == f.ce);
     CHECK(c.ar == f.ar);
+    CHECK(c.norms == f.norms);
     CHECK(c.grads == f.grads);
 }
 
 }  // namespace
 
-TEST_CASE("fenced backend: compressive transformer and Transformer-XL training segments match the CPU bitwise") {
-    SUBCASE("conv compression, pre-LN, attention reconstruction, padding") {
-        check_same(run_model<conv_compression, cpu>({}, 4, true), run_model<conv_compression, fenced>({}, 4, true));
+TEST_CASE("fenced backend: compressive transformer and Transformer-XL training steps (clipping, every optimizer, "
+          "resume) match the CPU bitwise") {
+    // The fenced runs resume their optimizer midway and the CPU runs do not: resuming changes nothing.
+    SUBCASE("conv compression, pre-LN, attention reconstruction, padding; AdamW") {
+        check_same(run_model<conv_compression, cpu>({}, 4, true), run_model<conv_compression, fenced>({}, 4, true, optim_kind::adamw, true));
     }
-    SUBCASE("max pooling, post-LN") {
+    SUBCASE("max pooling, post-LN; labml's Adam with warm-up") {
         compressive_options o{.norm = norm_kind::post};
-        check_same(run_model<max_pool_compression, cpu>(o, 4, false), run_model<max_pool_compression, fenced>(o, 4, false));
+        check_same(run_model<max_pool_compression, cpu>(o, 4, false, optim_kind::labml),
+                   run_model<max_pool_compression, fenced>(o, 4, false, optim_kind::labml, true));
     }
-    SUBCASE("mean pooling, GRU gates, one memory layer") {
+    SUBCASE("mean pooling, GRU gates, one memory layer; Adam with L2") {
         compressive_options o{.residual = residual_kind::gru, .memory_layers = {1}};
-        check_same(run_model<mean_pool_compression, cpu>(o, 4, false), run_model<mean_pool_compression, fenced>(o, 4, false));
+        check_same(run_model<mean_pool_compression, cpu>(o, 4, false, optim_kind::adam),
+                   run_model<mean_pool_compression, fenced>(o, 4, false, optim_kind::adam, true));
     }
-    SUBCASE("dilated convolutions, auto-encoding loss") {
+    SUBCASE("dilated convolutions, auto-encoding loss; SGD with Nesterov momentum") {
         compressive_options o{.reconstruction = reconstruction_kind::autoencoding};
-        check_same(run_model<dilated_conv_compression, cpu>(o, 4, false),
-                   run_model<dilated_conv_compression, fenced>(o, 4, false));
+        check_same(run_model<dilated_conv_compression, cpu>(o, 4, false, optim_kind::sgd),
+                   run_model<dilated_conv_compression, fenced>(o, 4, false, optim_kind::sgd, true));
     }
-    SUBCASE("Transformer-XL") {
-        check_same(run_model<no_compression, cpu>({}, 0, true), run_model<no_compression, fenced>({}, 0, true), false);
+    SUBCASE("most-used compression (the memory's usage over the backend); AdamW") {
+        check_same(run_model<most_used_compression, cpu>({}, 4, true),
+                   run_model<most_used_compression, fenced>({}, 4, true, optim_kind::adamw, true));
+    }
+    SUBCASE("Transformer-XL; AdamW") {
+        check_same(run_model<no_compression, cpu>({}, 0, true), run_model<no_compression, fenced>({}, 0, true, optim_kind::adamw, true), false);
     }
 }
 
@@ -588,4 +677,97 @@ std::vector<token_t> run_generation() {
 TEST_CASE("fenced backend: compressive transformer and Transformer-XL generation match the CPU") {
     CHECK(run_generation<conv_compression, cpu>() == run_generation<conv_compression, fenced>());
     CHECK(run_generation<mean_pool_compression, cpu>() == run_generation<mean_pool_compression, fenced>());
+}
+
+namespace {
+
+std::string bytes_of(const std::string& path) {
+    std::ifstream f(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+std::string trainer_text() {
+    std::string t;
+    for (int i = 0; i < 30; ++i) t += "line " + std::to_string(i) + ": the quick brown fox jumps over a lazy dog.\n";
+    return t;
+}
+
+template <template <class, std::size_t, std::size_t, class> class Compression>
+struct compressive_of {
+    template <class B>
+    using type = compressive_transformer<float, config<16, 2, 2>, Compression, B>;
+};
+struct feedback_of {
+    template <class B>
+    using type = feedback_transformer<float, config<16, 2>, per_layer_kv, B>;
+};
+
+struct trainer_run {
+    std::vector<float> values;
+    std::vector<double> ce;
+    std::string model_file, state_file, sample;
+    double valid_ce = 0;
+};
+
+/// The trainer library over backend B: 4 steps, a save, a fresh model and trainer restored from it, 4
+/// more steps; then validation and a sample: the losses, both files' bytes, the final values, the
+/// validation loss and the sample.
+template <class Of, class B>
+trainer_run run_trainer(const std::string& dir) {
+    using model_t = typename Of::template type<B>;
+    constexpr bool feedback = std::is_same_v<Of, feedback_of>;
+    const text_corpus data = split_text(trainer_text(), "fenced");
+    const trainer_options o{.batch = 2, .seq_len = 4, .mem_len = feedback ? 0 : 4, .c_mem_len = feedback ? 0 : 4,
+                            .lr = 3e-3, .warmup = 2, .steps = 20, .seed = 7};
+    using options_t = std::conditional_t<feedback, feedback_options, compressive_options>;
+    const options_t mo{.vocab = data.vocab.size(), .n_layers = 2, .d_ff = 16, .n_pos = 16};
+    const auto make = [&](model_t& m) {
+        return trainer<model_t>(m, o, data.vocab, segment_streams(data.train, o.batch, o.seq_len, "training"),
+                                segment_streams(data.valid, o.batch, o.seq_len, "validation"));
+    };
+    trainer_run r;
+    const std::string path = dir + "/" + B::name + ".safetensors";
+    {
+        model_t model(mo);
+        model.reset_parameters(3);
+        auto t = make(model);
+        for (int i = 0; i < 4; ++i) r.ce.push_back(t.step().ce);
+        t.save(path, {});
+    }
+    r.model_file = bytes_of(path);
+    r.state_file = bytes_of(checkpoint_state_path(path));
+    model_t model(mo);
+    model.reset_parameters(99);  // the checkpoint replaces every value
+    auto t = make(model);
+    t.restore(read_trainer_checkpoint(path), path);
+    for (int i = 0; i < 4; ++i) r.ce.push_back(t.step().ce);
+    r.valid_ce = t.validate(2).ce;
+    r.sample = t.sample_text(std::vector<token_t>{1, 2, 3}, 6, sampling_options{});
+    r.values.resize(std::size_t(model.parameters().size()));
+    model.parameters().download_all_values(r.values);
+    return r;
+}
+
+template <class Of>
+void check_trainer() {
+    testing::temp_dir dir("fenced_trainer");
+    const auto c = run_trainer<Of, cpu>(dir.path.string());
+    const auto f = run_trainer<Of, fenced>(dir.path.string());
+    CHECK(c.ce == f.ce);
+    CHECK(c.model_file == f.model_file);  // the files written over the host path, byte for byte
+    CHECK(c.state_file == f.state_file);
+    CHECK(c.values == f.values);
+    CHECK(c.valid_ce == f.valid_ce);
+    CHECK(c.sample == f.sample);
+    CHECK(!c.sample.empty());
+}
+
+}  // namespace
+
+TEST_CASE("fenced backend: the trainer (steps, checkpoint save and restore, validation, sampling) matches the CPU") {
+    SUBCASE("conv compression") { check_trainer<compressive_of<conv_compression>>(); }
+    SUBCASE("most-used compression (the memory's usage in the checkpoint)") {
+        check_trainer<compressive_of<most_used_compression>>();
+    }
+    SUBCASE("Feedback Transformer") { check_trainer<feedback_of>(); }
 }

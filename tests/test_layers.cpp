@@ -358,3 +358,11 @@ TEST_CASE("linear: backward is bitwise the same on one thread and with dW and dx
     CHECK(dx[0] == dx[1]);
     CHECK(grads[0] == grads[1]);
 }
+
+TEST_CASE("check_targets: a target outside the vocabulary is a clear error; negative targets are ignored rows") {
+    const std::vector<int> t = {0, 7, 2};
+    CHECK_THROWS_WITH_AS(mnemo::check_targets(std::span<const int>(t), 5),
+                         doctest::Contains("target 7 at row 1 is outside the vocabulary of 5"), mnemo::error);
+    const std::vector<int> ok = {0, -100, 4};
+    CHECK_NOTHROW(mnemo::check_targets(std::span<const int>(ok), 5));
+}

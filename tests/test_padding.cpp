@@ -363,7 +363,7 @@ TEST_CASE("padding: a steady-state training step with a pad mask allocates nothi
 // ---- clamp_len ----
 
 namespace {
-// Plain-loop relative attention (the formula of relative_attention.hpp) with clamp_len.
+// Plain-loop relative attention (the formula of nn/attention/relative.hpp) with clamp_len.
 std::vector<double> reference_attention(const mnemo::relative_attention<double, tiny>& attn, const std::vector<double>& zq,
                                         const std::vector<double>& zkv, index_t B, index_t clamp) {
     const index_t D = 8, H = 2, Dk = 4, P = attn.n_pos();

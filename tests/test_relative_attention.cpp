@@ -10,7 +10,7 @@
 #include <omp.h>
 
 #include <mnemo/core/config.hpp>
-#include <mnemo/nn/relative_attention.hpp>
+#include <mnemo/nn/attention/relative.hpp>
 
 #include "gradcheck.hpp"
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Golden data for mnemo's dilated_conv_compression (include/mnemo/nn/compression_extra.hpp).
+"""Golden data for mnemo's dilated_conv_compression (include/mnemo/nn/compression/dilated_conv.hpp).
 
     /usr/bin/python3 tools/golden_dilated.py     # rewrites tests/golden/dilated_compression.safetensors
 

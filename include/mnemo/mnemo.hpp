@@ -4,7 +4,7 @@
 //   core/     shapes, views, backend tags and memory, parameters, buffers, rng, errors
 //   kernels/  the kernel table; cpu/ (Eigen GEMM, xsimd element-wise kernels, OpenMP threads)
 //   nn/       layers with hand-written backward passes
-//   losses/   the compressive models' reconstruction losses (attention, auto-encoding)
+//   losses/   cross-entropy, and the compressive models' reconstruction losses (attention, auto-encoding)
 //   models/   compressive_transformer (and Transformer-XL as its c_mem_len = 0 case), its memory,
 //             feedback_transformer (plain and shared-KV), the autoregressive wrapper
 //   train/    optimizers, clipping, schedules, checkpoints, the text data reader
@@ -20,16 +20,14 @@
 #include "core/shape.hpp"
 #include "core/view.hpp"
 #include "kernels/cpu/ops.hpp"
+#include "nn/attention/feedback.hpp"
+#include "nn/attention/relative.hpp"
+#include "nn/compression.hpp"
 #include "nn/embedding.hpp"
-#include "nn/feedback_attention.hpp"
 #include "nn/feed_forward.hpp"
 #include "nn/gru_gate.hpp"
 #include "nn/layer_norm.hpp"
 #include "nn/linear.hpp"
-#include "nn/compression.hpp"
-#include "nn/compression_extra.hpp"
-#include "nn/no_compression.hpp"
-#include "nn/relative_attention.hpp"
 #include "nn/residual.hpp"
 #include "models/autoregressive.hpp"
 #include "models/compressive_transformer.hpp"
@@ -37,6 +35,7 @@
 #include "losses/attention_reconstruction.hpp"
 #include "train/checkpoint.hpp"
 #include "losses/autoencoding_reconstruction.hpp"
+#include "losses/cross_entropy.hpp"
 #include "train/clip.hpp"
 #include "models/compressive_memory.hpp"
 #include "train/optimizer.hpp"

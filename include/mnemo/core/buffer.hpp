@@ -3,6 +3,7 @@
 // so once a module has seen its largest shape, forward and backward stop allocating (the steady state).
 // Growth keeps the contents it had (the rest is unspecified on other backends, zero on the CPU).
 #include <cstddef>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -63,6 +64,12 @@ public:
     T* data() { return data_; }
     const T* data() const { return data_; }
     index_t capacity() const { return size_; }
+    /// Host path: the first host.size() elements from host memory (growing as ensure() does).
+    T* upload(std::span<const T> host) {
+        T* p = ensure(static_cast<index_t>(host.size()));
+        if (!host.empty()) memory::upload(p, host.data(), host.size_bytes());
+        return p;
+    }
 
 private:
     static std::size_t bytes(index_t n) { return sizeof(T) * static_cast<std::size_t>(n); }
@@ -81,6 +88,12 @@ public:
     T* data() { return data_.data(); }
     const T* data() const { return data_.data(); }
     index_t capacity() const { return static_cast<index_t>(data_.size()); }
+    /// Host path: the first host.size() elements from host memory (growing as ensure() does).
+    T* upload(std::span<const T> host) {
+        T* p = ensure(static_cast<index_t>(host.size()));
+        if (!host.empty()) device_memory<cpu>::upload(p, host.data(), host.size_bytes());
+        return p;
+    }
 
 private:
     aligned_vector<T> data_;

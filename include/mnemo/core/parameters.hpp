@@ -23,20 +23,8 @@
 // code reaches the numbers only through the host path (upload, download, on a param or the whole set),
 // which initialisation and checkpoints use. On the CPU backend (the default) the pointers are host
 // memory and the host path is a copy.
-//
-// Deferred weight decay. AdamW's decoupled decay multiplies every parameter by (1 − lr·wd) at every
-// step, those without gradient too; for the positional tables' rows outside the window (A: 6.3M of
-// 7.5M parameters) that is 50 MB of memory traffic a step for rows nothing reads. An optimizer's
-// step(set) may instead log the step's factor (begin_deferred_decay) and leave alone the blocks of
-// deferred_block elements it would only have decayed. Such a block owes the factors logged since its
-// counter and is paid them, one multiplication per factor in the logged order (bitwise what the eager
-// loop computes), before anything reads it: values(), param::value() (the whole tensor),
-// param::value_rows() (some rows: the positional tables' window), or an optimizer step that updates
-// it (settle_block). A full log (max_deferred factors) is paid off and emptied. Paying does not change
-// version(): the values are the ones the steps defined.
+
 #include <algorithm>
-#include <atomic>
-#include <memory>
 #include <cstdint>
 #include <cstring>
 #include <span>
@@ -71,23 +59,15 @@ struct tensor_entry {
     index_t rows() const { return shape.empty() ? 1 : shape.front(); }
 };
 
-/// A run [begin, end) of the flat buffers, in elements.
-struct flat_range {
-    index_t begin = 0;
-    index_t end = 0;
-    friend bool operator==(const flat_range&, const flat_range&) = default;
-};
-
 template <class T, class Backend = cpu>
 class param {
 public:
     param() = default;
     param(parameter_set<T, Backend>* set, index_t index) : set_(set), index_(index) {}
 
-    /// The tensor's values (paying any deferred decay first, see the header comment).
+    /// The tensor's values.
     T* value() const { return set_->value_ptr(index_); }
-    /// The values of rows [lo, hi) (slices along the first dimension), as a pointer to row lo: only
-    /// those rows are paid their deferred decay, so the others must not be read through it.
+    /// The values of rows [lo, hi) (slices along the first dimension), as a pointer to row lo.
     T* value_rows(index_t lo, index_t hi) const { return set_->value_rows_ptr(index_, lo, hi); }
     /// The tensor's whole gradient. For a grad_sparsity::rows tensor this counts every row as touched
     /// until the next zero_grad() (whoever holds the pointer may write anywhere); its writer uses
@@ -160,10 +140,6 @@ public:
         MNEMO_CHECK(!allocated_, "parameter_set: allocate() called twice");
         memory::fill_zero(values_.ensure(total_), bytes(total_));
         memory::fill_zero(grads_.ensure(total_), bytes(total_));
-        decay_log_.reserve(max_deferred);
-        owed_from_.assign(static_cast<std::size_t>((total_ + deferred_block - 1) / deferred_block), 0);
-        pending_ = std::make_unique<std::atomic<std::uint8_t>[]>(entries_.size());
-        for (std::size_t i = 0; i < entries_.size(); ++i) pending_[i].store(0, std::memory_order_relaxed);
         touched_.assign(entries_.size(), row_interval{});
         for (std::size_t i = 0; i < entries_.size(); ++i)
             if (entries_[i].sparsity == grad_sparsity::dense) touched_[i] = {0, entries_[i].rows()};
@@ -188,13 +164,9 @@ public:
     /// through param::value() instead and call mark_changed() yourself.
     T* values() {
         ++version_;
-        pay_all();
         return checked(values_).data();
     }
-    const T* values() const {
-        pay_all();
-        return checked(values_).data();
-    }
+    const T* values() const { return checked(values_).data(); }
     /// The whole gradient buffer, writable: every gradient counts as touched until the next zero_grad()
     /// (clipping and the optimizers then read all of it, and zero_grad() clears all of it).
     T* grads() {
@@ -278,35 +250,21 @@ public:
         return it == index_.end() ? nullptr : &entries_[static_cast<std::size_t>(it->second)];
     }
 
-    /// Tensor i's values, paid their deferred decay.
+    /// Tensor i's values.
     T* value_ptr(index_t i) {
-        T* v = checked(values_).data();
-        const tensor_entry& e = entries_[static_cast<std::size_t>(i)];
-        if (pending_[static_cast<std::size_t>(i)].load(std::memory_order_acquire)) {
-#pragma omp critical(mnemo_deferred_decay)
-            if (pending_[static_cast<std::size_t>(i)].load(std::memory_order_relaxed)) {
-                pay_range(e.offset, e.offset + e.size);
-                pending_[static_cast<std::size_t>(i)].store(0, std::memory_order_release);
-            }
-        }
-        return v + e.offset;
+        return checked(values_).data() + entries_[static_cast<std::size_t>(i)].offset;
     }
-    /// Rows [lo, hi) of tensor i, paid their deferred decay, as a pointer to row lo.
+    /// Rows [lo, hi) of tensor i, as a pointer to row lo.
     T* value_rows_ptr(index_t i, index_t lo, index_t hi) {
         T* v = checked(values_).data();
         const tensor_entry& e = entries_[static_cast<std::size_t>(i)];
         MNEMO_CHECK(0 <= lo && lo <= hi && hi <= e.rows(), "parameter_set: value_rows(", lo, ", ", hi, ") on tensor '",
                     e.name, "' outside its ", e.rows(), " rows");
-        const index_t begin = e.offset + lo * e.row_size(), end = e.offset + hi * e.row_size();
-        if (pending_[static_cast<std::size_t>(i)].load(std::memory_order_acquire)) {
-#pragma omp critical(mnemo_deferred_decay)
-            pay_range(begin, end);
-        }
-        return v + begin;
+        return v + e.offset + lo * e.row_size();
     }
 
     /// Host path: tensor i's values from / into host memory (entry size elements). Upload counts as a
-    /// change (version() moves on); both settle the tensor's deferred decay first.
+    /// change (version() moves on).
     void upload_values(index_t i, std::span<const T> host) {
         const tensor_entry& e = host_entry(i, host.size(), "upload");
         memory::upload(value_ptr(i), host.data(), bytes(e.size));
@@ -332,38 +290,6 @@ public:
         memory::download(host.data(), grads(), bytes(total_));
     }
 
-    /// Elements per block of the deferred decay (an optimizer's blocks must be these).
-    static constexpr index_t deferred_block = 1024;
-    /// Factors the log holds before it is paid off.
-    static constexpr std::size_t max_deferred = 256;
-
-    /// For an optimizer step (see Deferred weight decay): logs this step's decay factor and returns the
-    /// raw values, in which the step must then, for every block of deferred_block elements, either
-    /// leave the block alone (it owes `factor` now) or call settle_block(b) and then update it,
-    /// applying `factor` itself. Serial code only. Counts as a change (version() moves on).
-    T* begin_deferred_decay(T factor)
-        requires std::is_same_v<Backend, cpu>
-    {
-        T* v = checked(values_).data();
-        ++version_;
-        if (decay_log_.size() == max_deferred) pay_all();
-        decay_log_.push_back(factor);
-        for (std::size_t i = 0; i < entries_.size(); ++i) pending_[i].store(1, std::memory_order_relaxed);
-        return v;
-    }
-    /// Pays block b what it owes from before this step and marks it as having this step's factor (its
-    /// update applies it). Different blocks may be settled from different threads.
-    void settle_block(index_t b) {
-        const std::uint32_t now = static_cast<std::uint32_t>(decay_log_.size());
-        pay_block(b, now - 1);
-        owed_from_[static_cast<std::size_t>(b)] = now;
-    }
-    /// Whether some block owes deferred decay (false right after values() or value() of every tensor).
-    bool decay_owed() const {
-        for (std::size_t b = 0; b < owed_from_.size(); ++b)
-            if (owed_from_[b] < decay_log_.size()) return true;
-        return false;
-    }
     /// Tensor i's whole gradient; a row-sparse tensor counts as touched in every row (see param::grad()).
     T* grad_ptr(index_t i) {
         const tensor_entry& e = entries_[static_cast<std::size_t>(i)];
@@ -396,36 +322,6 @@ private:
         index_t lo = 0, hi = 0;  // [lo, hi) in rows; empty when lo == hi
     };
 
-    // Block b's elements times the logged factors [owed_from_[b], upto), in order; then owed up to `upto`.
-    void pay_block(index_t b, std::uint32_t upto) const {
-        std::uint32_t& from = owed_from_[static_cast<std::size_t>(b)];
-        if (from >= upto) return;
-        T* v = values_.data();
-        const index_t i0 = b * deferred_block, i1 = std::min(total_, i0 + deferred_block);
-        const T* f = decay_log_.data();
-        for (std::uint32_t k = from; k < upto; ++k) {
-            const T d = f[k];
-            for (index_t i = i0; i < i1; ++i) v[i] = v[i] * d;  // round(p·d), as the optimizer's product()
-        }
-        from = upto;
-    }
-    // Pays every block that meets the elements [begin, end).
-    void pay_range(index_t begin, index_t end) const {
-        if (begin >= end || decay_log_.empty()) return;
-        const std::uint32_t now = static_cast<std::uint32_t>(decay_log_.size());
-        for (index_t b = begin / deferred_block; b <= (end - 1) / deferred_block; ++b) pay_block(b, now);
-    }
-    // Pays every block and empties the log.
-    void pay_all() const {
-        if (!allocated_ || decay_log_.empty()) return;
-        const std::uint32_t now = static_cast<std::uint32_t>(decay_log_.size());
-        const index_t blocks = index_t(owed_from_.size());
-        for (index_t b = 0; b < blocks; ++b) pay_block(b, now);
-        decay_log_.clear();
-        std::fill(owed_from_.begin(), owed_from_.end(), 0u);
-        for (std::size_t i = 0; i < entries_.size(); ++i) pending_[i].store(0, std::memory_order_relaxed);
-    }
-
     // The live runs from the touched rows: each tensor's touched part, a whole tensor's part running on
     // over its trailing gap, merged with its neighbours where they meet.
     void rebuild_live() const {
@@ -451,11 +347,8 @@ private:
     index_t total_ = 0;
     bool allocated_ = false;
     std::uint64_t version_ = 0;
-    mutable buffer<T, Backend> values_;  // mutable: reading pays deferred decay (see the header comment)
+    buffer<T, Backend> values_;
     buffer<T, Backend> grads_;
-    mutable std::vector<T> decay_log_;                // the deferred steps' factors, oldest first
-    mutable std::vector<std::uint32_t> owed_from_;    // per block: the first logged factor it has not had
-    std::unique_ptr<std::atomic<std::uint8_t>[]> pending_;  // per tensor: may owe deferred decay
     std::vector<row_interval> touched_;  // per tensor: the rows whose gradient may be non-zero
     bool all_touched_ = false;           // grads() handed out: the whole buffer may be non-zero
     mutable std::vector<flat_range> live_;  // grad_live_ranges(), rebuilt when live_dirty_

@@ -86,4 +86,11 @@ struct static_extents {
     std::size_t d_head = dynamic;
 };
 
+/// A run [begin, end) of a flat buffer (a parameter_set's), in elements.
+struct flat_range {
+    index_t begin = 0;
+    index_t end = 0;
+    friend bool operator==(const flat_range&, const flat_range&) = default;
+};
+
 }  // namespace mnemo

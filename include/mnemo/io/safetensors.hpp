@@ -997,10 +997,11 @@ inline safetensors_tensor make_safetensors_tensor(std::string name, std::vector<
 // parameter_set glue
 // ---------------------------------------------------------------------------------------------
 
-/// Adds every tensor of `ps`, read from `buffer` (values(), grads(), or an optimizer moment of the
-/// same layout), named prefix + entry name, stored as `on_disk` (F64, F32, F16 or BF16).
-template <class T>
-inline void add_parameter_buffer(safetensors_writer& w, const parameter_set<T>& ps, const T* buffer,
+/// Adds every tensor of `ps`, read from `buffer` (host memory in the set's layout: its values, its
+/// gradients or an optimizer moment, downloaded for a backend other than the CPU), named prefix +
+/// entry name, stored as `on_disk` (F64, F32, F16 or BF16).
+template <class T, class Backend>
+inline void add_parameter_buffer(safetensors_writer& w, const parameter_set<T, Backend>& ps, const T* buffer,
                                  const std::string& prefix = "", dtype on_disk = native_dtype<T>) {
     static_assert(std::is_floating_point_v<T>, "mnemo: parameter buffers are float or double");
     MNEMO_CHECK(buffer != nullptr, "safetensors: add_parameter_buffer: null buffer for '", w.path(), "'");
@@ -1013,20 +1014,22 @@ inline void add_parameter_buffer(safetensors_writer& w, const parameter_set<T>& 
 /// Saves the values of every parameter of `ps` to `path` (atomically), stored as `on_disk`.
 /// The default F32 is what PyTorch loads most readily; pass native_dtype<T> for a bitwise copy of
 /// double parameters.
-template <class T>
-inline void save_parameters(const std::string& path, const parameter_set<T>& ps, dtype on_disk = dtype::f32,
+template <class T, class Backend>
+inline void save_parameters(const std::string& path, const parameter_set<T, Backend>& ps, dtype on_disk = dtype::f32,
                             const safetensors_metadata& metadata = {}) {
+    std::vector<T> values(static_cast<std::size_t>(ps.size()));  // the host path
+    ps.download_all_values(values);
     safetensors_writer w(path);
-    add_parameter_buffer(w, ps, ps.values(), "", on_disk);
+    add_parameter_buffer(w, ps, values.data(), "", on_disk);
     w.set_metadata(metadata);
     w.commit();
 }
 
-/// Copies prefix + name of every entry of `ps` from `file` into `buffer` at the entry's offset,
-/// converted to T. Checks everything first (every tensor present, shapes equal, a floating dtype),
-/// so on error `buffer` is untouched; errors name the tensor and the file.
-template <class T>
-inline void read_parameter_buffer(const safetensors_file& file, const parameter_set<T>& ps, T* buffer,
+/// Copies prefix + name of every entry of `ps` from `file` into `buffer` (host memory in the set's
+/// layout) at the entry's offset, converted to T. Checks everything first (every tensor present, shapes
+/// equal, a floating dtype), so on error `buffer` is untouched; errors name the tensor and the file.
+template <class T, class Backend>
+inline void read_parameter_buffer(const safetensors_file& file, const parameter_set<T, Backend>& ps, T* buffer,
                                   const std::string& prefix = "") {
     static_assert(std::is_floating_point_v<T>, "mnemo: parameter buffers are float or double");
     MNEMO_CHECK(buffer != nullptr, "safetensors: read_parameter_buffer: null buffer for '", file.path(), "'");
@@ -1064,20 +1067,24 @@ struct parameter_load_options {
 
 /// Loads every parameter of `ps` (allocated) from `path`: each must be present with the model's
 /// shape and a floating dtype (converted to T); a tensor the model does not declare is an error
-/// unless opts.ignore_unexpected. On error the parameters are untouched.
-template <class T>
-inline void load_parameters(const safetensors_file& file, parameter_set<T>& ps, parameter_load_options opts = {}) {
+/// unless opts.ignore_unexpected. On error the parameters are untouched. The values reach the set's
+/// backend over the host path (read into host memory, then uploaded).
+template <class T, class Backend>
+inline void load_parameters(const safetensors_file& file, parameter_set<T, Backend>& ps, parameter_load_options opts = {}) {
     if (!opts.ignore_unexpected)
         for (const safetensors_tensor& t : file.tensors())
             if (!ps.find(t.name))
                 detail::fail("safetensors: unexpected tensor '", t.name, "' in '", file.path(),
                              "': the model has no parameter of that name (set "
                              "parameter_load_options::ignore_unexpected to skip such tensors)");
-    read_parameter_buffer(file, ps, ps.values());
+    std::vector<T> values(static_cast<std::size_t>(ps.size()));
+    ps.download_all_values(values);  // the alignment gaps, as they are
+    read_parameter_buffer(file, ps, values.data());
+    ps.upload_all_values(values);
 }
 
-template <class T>
-inline void load_parameters(const std::string& path, parameter_set<T>& ps, parameter_load_options opts = {}) {
+template <class T, class Backend>
+inline void load_parameters(const std::string& path, parameter_set<T, Backend>& ps, parameter_load_options opts = {}) {
     load_parameters(read_safetensors(path), ps, opts);
 }
 

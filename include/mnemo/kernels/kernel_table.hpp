@@ -26,10 +26,12 @@
 //                 feedback_attention_forward, feedback_attention_backward (one step:
 //                 kernels/feedback_attention_state.hpp)
 //   activations   activation_forward, activation_backward (tag-dispatched), relu_forward, relu_backward
-//   loss          cross_entropy_fused, cross_entropy_check_targets
+//   loss          cross_entropy_fused
 //   dropout       dropout_forward, dropout_backward
 //   element-wise  add_bias_rows, sum_rows_accumulate, add, copy, scale, gather_rows, scatter_add_rows,
 //                 scale_shift_rows, sum_as_double, axpy, weighted_sum_rows
+//   optimizers    adam_step (templated on the adam_rule), adam_cold_blocks, sgd_step,
+//                 sum_squares_live, scale_live (kernels/optimizer_state.hpp; the global gradient norm)
 #include "../core/backend.hpp"
 
 #define MNEMO_KERNELS(X)                                                                                     \
@@ -46,10 +48,11 @@
     X(accumulate_key_usage) X(gru_gate_forward) X(gru_gate_backward)                                        \
     X(squared_difference_rows) X(reconstruction_keep) X(key_value_projections)                              \
     X(plain_attention_forward) X(plain_attention_backward)                                                  \
-    X(cross_entropy_fused) X(cross_entropy_check_targets)                                                   \
+    X(cross_entropy_fused)                                                   \
     X(dropout_forward) X(dropout_backward)                                                                  \
     X(add_bias_rows) X(sum_rows_accumulate) X(add) X(copy) X(scale) X(gather_rows) X(scatter_add_rows)   \
-    X(scale_shift_rows) X(sum_as_double) X(axpy) X(weighted_sum_rows)
+    X(scale_shift_rows) X(sum_as_double) X(axpy) X(weighted_sum_rows)                                      \
+    X(adam_step) X(adam_cold_blocks) X(sgd_step) X(sum_squares_live) X(scale_live)
 
 namespace mnemo {
 namespace detail::kernel_probe {

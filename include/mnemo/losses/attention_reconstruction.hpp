@@ -11,7 +11,8 @@
 // A post-LayerNorm layer (compressive_transformer with norm_kind::post) attends over its raw inputs,
 // so its loss takes no norm (pass a null norm): hn = h, mn = m, cn = f_c(m).
 //
-// Padding (h_pad [Q·B] for h's rows, m_pad [n_old·B] for m's slots, nonzero = padding; null = none):
+// Padding (h_pad [Q·B] for h's rows, m_pad [n_old·B] for m's slots, in the backend's memory, nonzero =
+// padding; null = none):
 //   - a padded slot of m is masked out of attn(·, mn) (zero weight); a compressed slot is masked out of
 //     attn(·, cn) iff all `rate` slots it was made from are padding (the memory's rule);
 //   - a query row from a padded position of h is left out of the MSE: the mean runs over the N =
@@ -30,7 +31,7 @@
 
 #include "../core/buffer.hpp"
 #include "../nn/layer_norm.hpp"
-#include "../nn/relative_attention.hpp"
+#include "../nn/attention/relative.hpp"
 
 namespace mnemo {
 
@@ -133,17 +134,14 @@ public:
                                                      vc.data(), a_c, out_c.data(), keep_c, any_c);
 
         // MSE over the unpadded query rows, summed in double in a fixed order; d out_c = 2 (out_c − out_m) / N.
-        index_t rows_counted = qb;
-        if (h_pad)
-            for (index_t r = 0; r < qb; ++r) rows_counted -= h_pad[r] != 0;
-        const index_t n = rows_counted * D;
         T* diff = diff_.ensure(qb * D);
         kernels::squared_difference_rows(qb, index_t(D), out_c.data(), index_t(D), out_m.data(), index_t(D), h_pad, diff,
-                                   index_t(D), sum_.ensure(1));
+                                   index_t(D), sum_.ensure(2));
+        double sum[2] = {0, 0};  // the host path: the loss is returned now (the sum, the rows counted)
+        device_memory<Backend>::download(sum, sum_.data(), sizeof(sum));
+        const index_t n = index_t(sum[1]) * D;
         if (n == 0) return T(0);
-        double sum = 0;  // the host path: the loss is returned now
-        device_memory<Backend>::download(&sum, sum_.data(), sizeof(double));
-        const T loss = T(sum / double(n));
+        const T loss = T(sum[0] / double(n));
         if (!with_grad || !Compression::has_parameters) return loss;
 
         const T g = T(2) / T(n);
@@ -167,7 +165,7 @@ private:
     buffer<T, Backend> cm_, hn_, mn_, cn_, q_, km_, vm_, kc_, vc_, out_m_, out_c_, a_m_, a_c_, diff_;
     buffer<T, Backend> st_c_, st_c_r_;
     buffer<T, Backend> dkc_, dvc_, dcn_, dcm_, da_;
-    buffer<double, Backend> sum_;  // the squared differences' sum
+    buffer<double, Backend> sum_;  // the squared differences' sum and the rows counted
     buffer<std::uint8_t, Backend> keep_m_, keep_c_, any_m_, any_c_;
 };
 

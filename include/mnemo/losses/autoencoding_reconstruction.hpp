@@ -176,7 +176,7 @@ public:
         // MSE, summed in double in a fixed order; y becomes y − m.
         const index_t n = mb * d_;
         kernels::squared_difference_rows(mb, index_t(d_), y.data(), y.ld(), m.data(), m.ld(), nullptr, y.data(), y.ld(),
-                                   sum_.ensure(1));
+                                   sum_.ensure(2));
         double sum = 0;  // the host path: the loss is returned now
         device_memory<Backend>::download(&sum, sum_.data(), sizeof(double));
         const double loss = sum / double(n);

@@ -49,12 +49,62 @@
 
 namespace mnemo {
 
+namespace detail {
+
+/// A window [off, off + size) sliding over a buffer in Backend's memory; elements, not rows.
+template <class T, class Backend>
+class sliding_window {
+public:
+    // Empties the window over a buffer of `capacity` elements (allocates only if it grows).
+    void reset(index_t capacity) {
+        buf_.ensure(capacity);
+        off_ = size_ = 0;
+    }
+    // `n` elements at the buffer's front, contents to be written by the caller.
+    void assign_size(index_t n) {
+        buf_.ensure(n);
+        off_ = 0;
+        size_ = n;
+    }
+    T* data() { return buf_.data() + off_; }
+    const T* data() const { return buf_.data() + off_; }
+    // Extends the window by n elements at its end and returns them. When they do not fit after
+    // the window, the window is first moved to the buffer's front (and the buffer grown if that
+    // is still too short, which a merge within reset()'s reserve never needs).
+    T* grow(index_t n) {
+        if (off_ + size_ + n > buf_.capacity()) {
+            if (off_ > 0 && size_ > 0)
+                device_memory<Backend>::copy(buf_.data(), buf_.data() + off_, sizeof(T) * std::size_t(size_));
+            off_ = 0;
+            if (size_ + n > buf_.capacity()) buf_.ensure(2 * (size_ + n));  // keeps the window's contents
+        }
+        T* p = buf_.data() + off_ + size_;
+        size_ += n;
+        return p;
+    }
+    index_t size() const { return size_; }
+    void drop_front(index_t n) {
+        if (n <= 0) return;
+        off_ += n;
+        size_ -= n;
+    }
+
+private:
+    buffer<T, Backend> buf_;
+    index_t off_ = 0, size_ = 0;
+};
+
+}  // namespace detail
+
 /// D may be `dynamic` (a runtime-shape model): d_model is then given at construction.
 template <class T, std::size_t D, class Backend = cpu>
 class compressive_memory {
     [[no_unique_address]] extent_holder<D> d_;
 
 public:
+    using value_type = T;
+    using backend_type = Backend;
+
     /// mem_len: uncompressed slots kept; c_mem_len: compressed slots kept (0: Transformer-XL);
     /// rate: the compression rate c of the model.
     compressive_memory(index_t n_layers, index_t mem_len, index_t c_mem_len, index_t rate) requires(D != dynamic)
@@ -222,49 +272,8 @@ public:
     }
 
 private:
-    // A window [off, off + size) sliding over a buffer; elements, not rows.
-    class window {
-    public:
-        // Empties the window over a buffer of `capacity` elements (allocates only if it grows).
-        void reset(index_t capacity) {
-            buf_.ensure(capacity);
-            off_ = size_ = 0;
-        }
-        // `n` elements at the buffer's front, contents to be written by the caller.
-        void assign_size(index_t n) {
-            buf_.ensure(n);
-            off_ = 0;
-            size_ = n;
-        }
-        T* data() { return buf_.data() + off_; }
-        const T* data() const { return buf_.data() + off_; }
-        // Extends the window by n elements at its end and returns them. When they do not fit after
-        // the window, the window is first moved to the buffer's front (and the buffer grown if that
-        // is still too short, which a merge within reset()'s reserve never needs).
-        T* grow(index_t n) {
-            if (off_ + size_ + n > buf_.capacity()) {
-                if (off_ > 0 && size_ > 0)
-                    device_memory<Backend>::copy(buf_.data(), buf_.data() + off_, sizeof(T) * std::size_t(size_));
-                off_ = 0;
-                if (size_ + n > buf_.capacity()) buf_.ensure(2 * (size_ + n));  // keeps the window's contents
-            }
-            T* p = buf_.data() + off_ + size_;
-            size_ += n;
-            return p;
-        }
-        void drop_front(index_t n) {
-            if (n <= 0) return;
-            off_ += n;
-            size_ -= n;
-        }
-
-    private:
-        buffer<T, Backend> buf_;
-        index_t off_ = 0, size_ = 0;
-    };
-
     struct layer_state {
-        window mem, c_mem;         // [slots·batch, D]
+        detail::sliding_window<T, Backend> mem, c_mem;  // [slots·batch, D]
         const T* away = nullptr;   // the slots the last merge compressed away, in mem's buffer
     };
 

@@ -6,7 +6,7 @@
 // memory cm of layer l (constants: the layer's inputs from earlier segments):
 //   z   = LN_attn([cm, m, x])                 `norm_self_attn`: one norm, current parameters, for
 //                                             memory and segment alike
-//   x'  = x + RelAttn(q = z_segment, k = v = z)          `self_attn` (nn/relative_attention.hpp)
+//   x'  = x + RelAttn(q = z_segment, k = v = z)          `self_attn` (nn/attention/relative.hpp)
 //   y   = x' + FFN(LN_ff(x'))                 `norm_ff`, `feed_forward` (Linear–ReLU–Linear)
 //   f_c                                       `compress`: compresses this layer's memory
 // The model: `src_embed` (no scaling, no positions) → layers → `transformer.norm` → `generator`.
@@ -62,17 +62,16 @@
 #include "../core/config.hpp"
 #include "../core/parameters.hpp"
 #include "../nn/compression.hpp"
-#include "../nn/compression_extra.hpp"
 #include "../nn/embedding.hpp"
 #include "../nn/feed_forward.hpp"
 #include "../nn/gru_gate.hpp"
 #include "../nn/layer_norm.hpp"
 #include "../nn/linear.hpp"
-#include "../nn/no_compression.hpp"
-#include "../nn/relative_attention.hpp"
+#include "../nn/attention/relative.hpp"
 #include "../nn/residual.hpp"
 #include "../losses/attention_reconstruction.hpp"
 #include "../losses/autoencoding_reconstruction.hpp"
+#include "../losses/cross_entropy.hpp"
 #include "compressive_memory.hpp"
 
 namespace mnemo {
@@ -380,10 +379,10 @@ struct segment_losses {
 };
 
 /// A compressive_memory that also carries, per memory row (slot·batch + b), the attention mass the row
-/// has received: what most_used_compression selects by. The usage rows are kept parallel to the
-/// memory rows: compressive_transformer::update_memory adds the segment's attention to the rows
-/// already held, appends the new rows' usage, lets the merge compress the oldest rows (reading their
-/// usage) and then drops exactly the rows the merge dropped (the oldest ones).
+/// has received: what most_used_compression selects by. The usage rows (in Backend's memory) are kept
+/// parallel to the memory rows: compressive_transformer::update_memory adds the segment's attention to
+/// the rows already held and appends the new rows' usage (add_usage), lets the merge compress the
+/// oldest rows (reading their usage) and then drops exactly the rows the merge dropped (drop_usage).
 template <class T, std::size_t D, class Backend = cpu>
 class compressive_memory_with_usage : public compressive_memory<T, D, Backend> {
     using base = compressive_memory<T, D, Backend>;
@@ -399,25 +398,37 @@ public:
     /// As compressive_memory::reset; the usage is emptied too.
     void reset(index_t batch, index_t max_segment = 0) {
         base::reset(batch, max_segment);
-        for (auto& u : usage_) {
-            u.reserve(std::size_t((this->mem_len() + max_segment + this->rate()) * batch));
-            u.clear();
-        }
+        for (auto& u : usage_) u.reset(2 * (this->mem_len() + max_segment + this->rate()) * batch);
     }
     /// As compressive_memory::resize; the usage of every row is then 0 until written (usage_data).
     void resize(index_t mem_slots, index_t c_mem_slots) {
         base::resize(mem_slots, c_mem_slots);
-        for (auto& u : usage_) u.assign(std::size_t(mem_slots * this->batch()), T(0));
+        for (auto& u : usage_) {
+            u.assign_size(mem_slots * this->batch());
+            device_memory<Backend>::fill_zero(u.data(), sizeof(T) * std::size_t(u.size()));
+        }
     }
-    /// Usage of memory slot l's rows [mem_slots·batch] (oldest first, as mem(l)).
+    /// Usage of memory slot l's rows [mem_slots·batch] (oldest first, as mem(l)), in Backend's memory.
     const T* usage(index_t l) const { return usage_[std::size_t(l)].data(); }
     /// Mutable access for loading a saved state (after resize).
     T* usage_data(index_t l) { return usage_[std::size_t(l)].data(); }
-    /// The usage vector of slot l, grown and shrunk by compressive_transformer::update_memory.
-    aligned_vector<T>& usage_vector(index_t l) { return usage_[std::size_t(l)]; }
+    /// The number of usage rows slot l holds (mem_slots·batch between merges).
+    index_t usage_rows(index_t l) const { return usage_[std::size_t(l)].size(); }
+    /// Before a merge: slot l's held rows gain add[0, held) and the segment's new rows append
+    /// add[held, held + new_rows) (add in Backend's memory).
+    void add_usage(index_t l, const T* add, index_t new_rows) {
+        auto& u = usage_[std::size_t(l)];
+        const index_t held = u.size();
+        if (held > 0) checked_ops<Backend>::add(1, held, u.data(), held, add, held, u.data(), held);
+        if (new_rows > 0) device_memory<Backend>::copy(u.grow(new_rows), add + held, sizeof(T) * std::size_t(new_rows));
+    }
+    /// After a merge: every slot drops the usage of its oldest `rows` rows (those the merge dropped).
+    void drop_usage(index_t rows) {
+        for (auto& u : usage_) u.drop_front(rows);
+    }
 
 private:
-    std::vector<aligned_vector<T>> usage_;
+    std::vector<detail::sliding_window<T, Backend>> usage_;
 };
 
 template <class T, class Config, template <class, std::size_t, std::size_t, class> class Compression = conv_compression,
@@ -427,7 +438,9 @@ class compressive_transformer {
     static constexpr std::size_t DM = Config::d_model;
 
 public:
+    using value_type = T;
     using config = Config;
+    using backend_type = Backend;
     using layer_type = compressive_layer<T, Config, Compression, Backend>;
     /// True when the compression function selects by attention usage (most_used_compression).
     static constexpr bool needs_usage = compression_needs_usage<typename layer_type::compression_type>;
@@ -462,6 +475,8 @@ public:
         params_.allocate();
         xs_.resize(std::size_t(o.n_layers + 1));
         usage_.resize(options_.memory_layers.size());
+        usage_offset_.assign(options_.memory_layers.size(), 0);
+        usage_rows_.assign(options_.memory_layers.size(), 0);
     }
     compressive_transformer(const compressive_transformer&) = delete;
     compressive_transformer& operator=(const compressive_transformer&) = delete;
@@ -553,14 +568,11 @@ public:
         if constexpr (needs_usage) {
             // The rows held gain this segment's attention; the new rows start with theirs.
             for (index_t s = 0; s < n_memory_layers(); ++s) {
-                auto& u = mem.usage_vector(s);
-                const auto& add = usage_[std::size_t(s)];
-                const std::size_t held = u.size();
-                MNEMO_CHECK(held == std::size_t(mem.mem_slots() * mem.batch()) && add.size() == held + std::size_t(rows_),
+                const index_t held = mem.usage_rows(s);
+                MNEMO_CHECK(held == mem.mem_slots() * mem.batch() && usage_rows_[std::size_t(s)] == held + rows_,
                             "compressive_transformer: the memory's usage does not match the last forward (call "
                             "update_memory once after each forward, with the memory forward read)");
-                for (std::size_t i = 0; i < held; ++i) u[i] += add[i];
-                u.insert(u.end(), add.begin() + std::ptrdiff_t(held), add.end());
+                mem.add_usage(s, usage_[std::size_t(s)].data() + usage_offset_[std::size_t(s)], rows_);
             }
         }
         const index_t before = mem.mem_slots();
@@ -574,11 +586,7 @@ public:
             seg_padded_ ? seg_pad_.data() : nullptr);
         if constexpr (needs_usage) {
             // Drop the usage of the rows the merge dropped: the oldest (held + new − kept) slots.
-            const index_t dropped = (before + rows_ / batch_ - mem.mem_slots()) * batch_;
-            for (index_t s = 0; s < n_memory_layers(); ++s) {
-                auto& u = mem.usage_vector(s);
-                u.erase(u.begin(), u.begin() + std::ptrdiff_t(dropped));
-            }
+            mem.drop_usage((before + rows_ / batch_ - mem.mem_slots()) * batch_);
         }
         return n_old;
     }
@@ -588,19 +596,9 @@ public:
     double cross_entropy(std::span<const token_t> targets, bool with_grad) {
         MNEMO_CHECK(index_t(targets.size()) == rows_, "compressive_transformer: ", targets.size(), " targets for ",
                     rows_, " positions");
-        const index_t v = options_.vocab;
-        kernels::cross_entropy_check_targets(rows_, v, targets.data());
-        index_t counted = 0;
-        for (token_t t : targets) counted += t >= 0;
-        const T scale = counted > 0 ? T(1) / T(counted) : T(0);
-        T* losses = ce_rows_.ensure(rows_);
-        kernels::cross_entropy_fused(rows_, v, logits_.data(), v, targets.data(), losses, scale,
-                               d_logits_.ensure(rows_ * v), v);
+        const double loss = ce_(rows_, options_.vocab, logits_.data(), targets, d_logits_.ensure(rows_ * options_.vocab));
         has_d_logits_ = with_grad;
-        kernels::sum_as_double(rows_, losses, loss_sum_.ensure(1));
-        double sum = 0;  // the host path: the loss is returned now
-        device_memory<Backend>::download(&sum, loss_sum_.data(), sizeof(double));
-        return counted > 0 ? sum / double(counted) : 0.0;
+        return loss;
     }
 
     /// The reconstruction loss (attention reconstruction, or auto-encoding with
@@ -630,8 +628,10 @@ public:
                 }
                 total += double(ar_.compute(layer.attention_input_norm(), layer.self_attn(), layer.compress(),
                                             view<const T, DM, Backend>(x(l)), away, batch_, with_grad,
-                                            seg_padded_ ? seg_pad_.data() : nullptr,
-                                            padding_active_ ? mem.compressed_away_pad() : nullptr, saved));
+                                            seg_padded_ ? seg_pad_dev_.data() : nullptr,
+                                            padding_active_ ? away_pad_.upload({mem.compressed_away_pad(), std::size_t(away.rows())})
+                                                            : nullptr,
+                                            saved));
             }
         }
         return total;
@@ -780,17 +780,18 @@ private:
 
     /// Most-used compression: the attention mass memory slot s's layer just gave each of its memory
     /// rows and each of the segment's rows (the rows update_memory appends), summed over heads and
-    /// queries: usage_[s] [(mem_slots + Q)·batch], key-row order.
+    /// queries: usage_[s] from usage_offset_[s], usage_rows_[s] = (mem_slots + Q)·batch rows, key-row order.
     void segment_usage(index_t s, const layer_type& layer, const memory_type& mem) {
         const auto& attn = layer.self_attn();
         static_assert(requires { attn.attention_weights(); },
                       "mnemo: most-used compression needs relative_attention::attention_weights() (the softmax "
                       "output [batch][heads][Q][K])");
         const index_t q = rows_ / batch_, c = mem.c_mem_slots(), k = c + mem.mem_slots() + q;
-        T* all = usage_all_.ensure(k * batch_);
+        T* all = usage_[std::size_t(s)].ensure(k * batch_);
         device_memory<Backend>::fill_zero(all, sizeof(T) * std::size_t(k * batch_));
         checked_ops<Backend>::accumulate_key_usage(batch_, options_.heads, q, k, attn.attention_weights(), all);
-        usage_[std::size_t(s)].assign(all + c * batch_, all + k * batch_);
+        usage_offset_[std::size_t(s)] = c * batch_;  // the compressed slots' rows are not the memory's
+        usage_rows_[std::size_t(s)] = (k - c) * batch_;
     }
 
     compressive_options options_;
@@ -805,10 +806,13 @@ private:
     std::vector<index_t> memory_slot_;  // per layer: its memory slot, or −1
     index_t batch_ = 0, rows_ = 0;
     // Padding: the mask handed to the next forward; the last forward's segment flags [Q·B] and key
-    // flags [(c_mem + mem)·B + Q·B] ([c_mem, mem, segment]).
+    // flags [(c_mem + mem)·B + Q·B] ([c_mem, mem, segment]), formed on the host (seg_pad_, key_pad_host_)
+    // and uploaded for the kernels (seg_pad_dev_, key_pad_; away_pad_: the slots the merge compressed
+    // away, for the reconstruction loss).
     std::span<const std::uint8_t> next_pad_;
     bool next_pad_set_ = false, seg_padded_ = false, padding_active_ = false;
-    std::vector<std::uint8_t> seg_pad_, key_pad_;
+    std::vector<std::uint8_t> seg_pad_, key_pad_host_;
+    buffer<std::uint8_t, Backend> seg_pad_dev_, key_pad_, away_pad_;
     index_t clamp_len_ = 0;
 
     /// Reads (and clears) the pending pad mask; sets every layer's key padding for this forward.
@@ -832,13 +836,13 @@ private:
         }
         if (!seg_padded_) seg_pad_.assign(std::size_t(rows), 0);
         const index_t c = mem.c_mem_slots() * batch, m = mem.mem_slots() * batch;
-        key_pad_.resize(std::size_t(c + m + rows));
-        if (c) std::copy(mem.c_mem_pad(), mem.c_mem_pad() + c, key_pad_.begin());
-        if (m) std::copy(mem.mem_pad(), mem.mem_pad() + m, key_pad_.begin() + c);
-        std::copy(seg_pad_.begin(), seg_pad_.end(), key_pad_.begin() + c + m);
+        key_pad_host_.assign(mem.c_mem_pad(), mem.c_mem_pad() + c);
+        key_pad_host_.insert(key_pad_host_.end(), mem.mem_pad(), mem.mem_pad() + m);
+        key_pad_host_.insert(key_pad_host_.end(), seg_pad_.begin(), seg_pad_.end());
+        const std::uint8_t* keys = key_pad_.upload(key_pad_host_);
+        if (seg_padded_) seg_pad_dev_.upload(seg_pad_);
         for (index_t l = 0; l < options_.n_layers; ++l)
-            layers_[std::size_t(l)].set_key_padding(memory_slot_[std::size_t(l)] >= 0 ? key_pad_.data()
-                                                                                    : key_pad_.data() + c + m);
+            layers_[std::size_t(l)].set_key_padding(memory_slot_[std::size_t(l)] >= 0 ? keys : keys + c + m);
     }
     bool has_d_logits_ = false;
     // The generation cache: what the last forward's keys and values were computed from.
@@ -873,11 +877,13 @@ private:
         return r;
     }
     std::vector<buffer<T, Backend>> xs_;  // layer inputs [Q·B, D]; xs_[L] is the last layer's output
-    buffer<T, Backend> hn_, logits_, ce_rows_, d_logits_, dhn_;
-    buffer<double, Backend> loss_sum_;  // the cross-entropy rows' sum
+    buffer<T, Backend> hn_, logits_, d_logits_, dhn_;
+    cross_entropy_loss<T, Backend> ce_;
     buffer<T, Backend> dx_[2];
-    std::vector<aligned_vector<T>> usage_;  // most-used: per memory slot, the last forward's usage
-    buffer<T, Backend> usage_all_;
+    // Most-used: per memory slot, the last forward's usage of every key row [(c_mem + mem + Q)·B], of
+    // which the memory's rows start at usage_offset_ and number usage_rows_.
+    std::vector<buffer<T, Backend>> usage_;
+    std::vector<index_t> usage_offset_, usage_rows_;
 };
 
 }  // namespace mnemo

@@ -10,7 +10,7 @@
 //   layer l (state_dict prefix `transformer.layers.<l-1>`), pre-LayerNorm:
 //     h'     = y_{l-1} + FeedbackAttn_l(LN_attn(y_{l-1}), K_l[0 … t−1], V_l[0 … t−1])   (t > 0 only:
 //              at t = 0 there is no memory and the whole sub-layer, LayerNorm and residual included, is
-//              skipped, as the reference)                  `norm_self_attn`, `attn` (nn/feedback_attention.hpp)
+//              skipped, as the reference)                  `norm_self_attn`, `attn` (nn/attention/feedback.hpp)
 //     y_l    = h' + FFN(LN_ff(h'))                          `norm_ff`, `feed_forward` (Linear–ReLU–Linear)
 //   mem_t    = Σ_{l=0..L} softmax(w)_l · y_l                `transformer.weights` [L + 1], initialised to ones;
 //                                                           not detached, not normalised
@@ -57,9 +57,10 @@
 #include "../core/buffer.hpp"
 #include "../core/config.hpp"
 #include "../core/parameters.hpp"
+#include "../losses/cross_entropy.hpp"
 #include "../nn/embedding.hpp"
 #include "../nn/feed_forward.hpp"
-#include "../nn/feedback_attention.hpp"
+#include "../nn/attention/feedback.hpp"
 #include "../nn/layer_norm.hpp"
 #include "../nn/linear.hpp"
 #include "../nn/residual.hpp"
@@ -352,19 +353,9 @@ public:
     double cross_entropy(std::span<const token_t> targets, bool with_grad) {
         MNEMO_CHECK(index_t(targets.size()) == rows_, "feedback_transformer: ", targets.size(), " targets for ", rows_,
                     " positions");
-        const index_t v = options_.vocab;
-        kernels::cross_entropy_check_targets(rows_, v, targets.data());
-        index_t counted = 0;
-        for (token_t t : targets) counted += t >= 0;
-        const T scale = counted > 0 ? T(1) / T(counted) : T(0);
-        T* losses = ce_rows_.ensure(rows_);
-        kernels::cross_entropy_fused(rows_, v, logits_.data(), v, targets.data(), losses, scale, d_logits_.ensure(rows_ * v),
-                               v);
+        const double loss = ce_(rows_, options_.vocab, logits_.data(), targets, d_logits_.ensure(rows_ * options_.vocab));
         has_d_logits_ = with_grad;
-        kernels::sum_as_double(rows_, losses, loss_sum_.ensure(1));
-        double sum = 0;  // the host path: the loss is returned now
-        device_memory<Backend>::download(&sum, loss_sum_.data(), sizeof(double));
-        return counted > 0 ? sum / double(counted) : 0.0;
+        return loss;
     }
 
     /// Parameter gradients += d CE / d θ, back through time over the whole sequence (after
@@ -533,8 +524,8 @@ private:
         }
         // mem_t = Σ_l softmax(w)_l · y_l
         for (index_t l = 0; l <= L; ++l) mix_inputs_[std::size_t(l)] = s.y[std::size_t(l)].data() + r0 * D;
-        kernels::weighted_sum_rows(batch, index_t(D), L + 1, mix_inputs_.data(), index_t(D), mix_.data(), mem_t.data(),
-                             mem_t.ld());
+        kernels::weighted_sum_rows(batch, index_t(D), std::span<const T* const>(mix_inputs_), index_t(D),
+                                   std::span<const T>(mix_), mem_t.data(), mem_t.ld());
         if (!project) return;
         for (index_t i = 0; i < n_kv(); ++i) {
             key(i).forward(cview_d(mem_t), view_d(keys[i] + t * D, batch, D, cap * D));
@@ -611,7 +602,7 @@ private:
     std::vector<T> mix_host_;                            // [L + 1]: w, the dots G_l, then dw, over the host path
     std::vector<const T*> mix_inputs_;                   // [L + 1]: y_l's rows of the step being mixed
     buffer<T, Backend> mix_dots_;                        // [L + 1]: G_l, then dw, on the backend
-    buffer<double, Backend> loss_sum_;                   // the cross-entropy rows' sum
+    cross_entropy_loss<T, Backend> ce_;
 
     index_t batch_ = 0, rows_ = 0, steps_ = 0;
     bool has_d_logits_ = false;
@@ -620,7 +611,7 @@ private:
     std::vector<buffer<T, Backend>> keys_, values_;               // per projection: [B, T, D] slots (batch-major)
     std::vector<buffer<T, Backend>> d_keys_, d_values_;           // their gradients [B, T, D], accumulated by later steps
     std::vector<T*> key_ptrs_, value_ptrs_;
-    buffer<T, Backend> hn_, logits_, ce_rows_, d_logits_, dhn_, d_final_, d_mem_, d_emb_;
+    buffer<T, Backend> hn_, logits_, d_logits_, dhn_, d_final_, d_mem_, d_emb_;
 };
 
 /// Token-by-token generation from a cache of keys and values (the Feedback Transformer's strength at

@@ -6,6 +6,7 @@
 #include <span>
 #include <string>
 
+#include "../core/buffer.hpp"
 #include "../core/config.hpp"
 #include "../core/rng.hpp"
 #include "module.hpp"
@@ -48,8 +49,7 @@ public:
         for (std::size_t i = 0; i < tokens.size(); ++i)
             MNEMO_CHECK(tokens[i] >= 0 && tokens[i] < vocab_, "embedding '", name_, "': token ", tokens[i],
                         " at position ", i, " is outside the vocabulary [0, ", vocab_, ")");
-        kernels::gather_rows(y.rows(), d_, tokens.data(), weight_.value(), d_,
-                       y.data(), y.ld());
+        kernels::gather_rows(y.rows(), d_, ids_.upload(tokens), weight_.value(), d_, y.data(), y.ld());
     }
 
     /// W[tokens[i]] += dy[i] (tokens were validated by forward).
@@ -58,8 +58,7 @@ public:
         static_assert(check_view<D, DY, axis::d_model, Backend>());
         MNEMO_CHECK(static_cast<index_t>(tokens.size()) == dy.rows(), "embedding '", name_, "': ", tokens.size(),
                     " tokens but dy has ", dy.rows(), " rows");
-        kernels::scatter_add_rows(dy.rows(), d_, tokens.data(), dy.data(), dy.ld(), weight_.grad(),
-                            d_);
+        kernels::scatter_add_rows(dy.rows(), d_, ids_.upload(tokens), dy.data(), dy.ld(), weight_.grad(), d_);
     }
 
     index_t vocab() const { return vocab_; }
@@ -69,6 +68,7 @@ private:
     std::string name_;
     index_t vocab_;
     param<T, Backend> weight_;  // [vocab, D]
+    mutable buffer<token_t, Backend> ids_;  // the tokens, uploaded for the kernels
 };
 
 }  // namespace mnemo

@@ -63,7 +63,6 @@ public:
         static_assert(check_view<In, DX, axis::in_features, Backend>());
         check_shapes(x, dy, "x", "dy");
         if (dx.data()) check_shapes(dx, dy, "dx", "dy");
-        // The parameters' pointers first (reading them may settle deferred optimizer work).
         T* gb = bias_ ? bias_.grad() : nullptr;
         kernels::linear_backward(x.rows(), in_, out_, x.data(), x.ld(), dy.data(), dy.ld(), dx.data() ? weight_.value() : nullptr,
                            weight_.grad(), gb, dx.data(), dx.ld(), accumulate_dx);

@@ -6,6 +6,7 @@
 // gradient buffer, so several uses of one parameter and several micro-batches add up; activation
 // gradients are ASSIGNED (=) unless the call says `accumulate`. An empty view (null data) for an
 // activation gradient means "not needed" and skips that work.
+#include <span>
 #include <type_traits>
 
 #include "../core/backend.hpp"
@@ -44,6 +45,14 @@ constexpr bool check_view() {
 template <class V>
 inline void check_cols(const V& v, index_t expected, const char* module, const char* what) {
     MNEMO_CHECK(v.cols() == expected, module, ": ", what, " has ", v.cols(), " features, expected ", expected);
+}
+/// Host input check of cross-entropy targets (host memory, before they are uploaded for the kernels):
+/// throws mnemo::error naming the first target outside [−∞, vocab) (negative targets are ignored rows).
+template <class I>
+inline void check_targets(std::span<const I> targets, index_t vocab) {
+    for (std::size_t i = 0; i < targets.size(); ++i)
+        MNEMO_CHECK(targets[i] < static_cast<I>(vocab), "cross_entropy: target ", static_cast<long long>(targets[i]),
+                    " at row ", i, " is outside the vocabulary of ", vocab);
 }
 template <class A, class B>
 inline void check_rows(const A& a, const B& b, const char* module, const char* what_a, const char* what_b) {

@@ -25,6 +25,7 @@
 // check_checkpoint_pair() rejects a model and a state that were not saved together. POSIX only.
 #include <signal.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cinttypes>
 #include <cstdint>
@@ -36,8 +37,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "../core/buffer.hpp"
 #include "../core/error.hpp"
-#include "../kernels/cpu/ops.hpp"
 #include "../io/safetensors.hpp"
 
 namespace mnemo {
@@ -233,15 +234,21 @@ void read_state_memory(const safetensors_file& f, std::span<const index_t> layer
                          ", expected [slots, ", batch, ", ", d_model, "]");
         return index_t(t.shape[0]);
     };
-    // Rows [first, first + count) of each of the tensor's `rows` [batch, width] blocks, into dst.
-    const auto read_slice = [&](const std::string& name, index_t rows, index_t width, auto* dst) {
-        using T = std::remove_pointer_t<decltype(dst)>;
-        if (first == 0 && count == batch) {
-            f.copy_to(name, dst, std::size_t(rows * batch * width));
-            return;
+    // Rows [first, first + count) of each of the tensor's `rows` [batch, width] blocks, into dst (the
+    // memory's backend), over the host path.
+    using T = typename Memory::value_type;
+    std::vector<T> all, mine;
+    const auto read_slice = [&](const std::string& name, index_t rows, index_t width, T* dst) {
+        all = f.to_vector<T>(name);
+        const T* host = all.data();
+        if (first != 0 || count != batch) {
+            mine.resize(std::size_t(rows * count * width));
+            for (index_t r = 0; r < rows; ++r)
+                std::copy_n(all.data() + (r * batch + first) * width, count * width, mine.data() + r * count * width);
+            host = mine.data();
         }
-        const std::vector<T> all = f.to_vector<T>(name);
-        ops<cpu>::copy(rows, count * width, all.data() + first * width, batch * width, dst, count * width);
+        if (rows > 0)
+            device_memory<typename Memory::backend_type>::upload(dst, host, sizeof(T) * std::size_t(rows * count * width));
     };
     const std::string head = "memory." + std::to_string(layers[0]);
     const index_t mem_slots = slots(head + ".mem"), c_mem_slots = slots(head + ".c_mem");

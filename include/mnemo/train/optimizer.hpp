@@ -28,27 +28,18 @@
 // bit; without it fmadd falls back to a·b + c, which rounds twice: each such operation may then differ
 // from PyTorch by an ulp (as PyTorch's own non-AVX2 builds do), well inside float tolerances.
 //
-// Threads: each element's update is independent, so results do not depend on the OpenMP thread count.
-//
-// Speed: under the default -fmath-errno, std::sqrt may set errno, so neither g++ 12 nor clang 14
-// vectorises the Adam-family loops. -fno-math-errno (PyTorch builds with it) changes no result and
-// makes them vectorise: AdamW float step, n = 4M, one thread: g++ 12 -O3 -march=native 3.6-5.2 ->
-// 0.64 ns/element, clang 14 2.8 -> 0.47 ns/element (measured on the AMD EPYC development machine). Those
-// loops therefore carry `parallel for` without `simd`, left to the auto-vectoriser, so that clang does
-// not warn about a forced vectorisation it cannot do; the loops without sqrt keep `simd`.
-// Each Adam loop is a static update() that gets its buffers and coefficients as arguments: written
-// inside the lambda it runs in, it read them through the lambda's captures, memory that every store to
-// params, m or v might alias, and g++ 12 gave up on the 30 run-time alias checks that needed (its limit
-// is 10) and left the loop scalar even under -fno-math-errno. Vectorised, each element still sees the
-// same IEEE operations (fma, ·, /, sqrt, +), so the results are the same bits.
+// Backends. Each optimizer takes the backend of its parameters (adamw<T, Backend>, default cpu): its
+// moment buffers live in that backend's memory, a step forms its coefficients on the host and hands
+// the element-wise update to the backend's kernel (ops<Backend>::adam_step, sgd_step;
+// kernels/cpu/optimizer.hpp keeps the order of operations above, and says how the CPU loops
+// vectorise). The state's host path is set_state (upload) and download_state. Results do not depend
+// on the OpenMP thread count.
 //
 // Sparse gradients: adamw and labml_adam skip the gradient reads of blocks that never had gradient
-// (adam_state::sweep); over a parameter_set, step(set) also passes the runs where the gradient may be
-// non-zero (parameter_set::grad_live_ranges()), so the blocks of rows no step touched (the positional
-// tables' rows outside the window) are not read at all: they only decay. Bitwise the dense result.
-// Over a parameter_set, adamw and labml_adam defer even that decay (parameters.hpp, Deferred weight
-// decay): such a block is multiplied by the logged factors only when something reads it. A's
-// optimizer step went from 1.2 to 0.5 ms (the decay of 6.3M table parameters was 50 MB of traffic).
+// (cold blocks: kernels/optimizer_state.hpp); over a parameter_set, step(set) also passes the runs
+// where the gradient may be non-zero (parameter_set::grad_live_ranges()), so the blocks of rows no step
+// touched (the positional tables' rows outside the window) are not read at all: they only decay.
+// Bitwise the dense result.
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -57,11 +48,13 @@
 #include <type_traits>
 #include <vector>
 
-#include "../kernels/cpu/parallel.hpp"
 #include "../core/buffer.hpp"
 #include "../core/error.hpp"
 #include "../core/parameters.hpp"
 #include "../core/shape.hpp"
+#include "../kernels/cpu/ops.hpp"  // the CPU kernels; other backends add their ops<> specialisation
+#include "../kernels/kernel_table.hpp"
+#include "../kernels/optimizer_state.hpp"
 #include "clip.hpp"
 #include "schedule.hpp"
 
@@ -69,19 +62,9 @@ namespace mnemo {
 
 namespace detail::optim {
 
-// fmadd (a·b + c with PyTorch's rounding), product (a·b rounded once, never fused into a later addition)
-// and MNEMO_HAS_FAST_FMA are defined in clip.hpp, which shares them.
-
-// Whether x[0, n) is all ±0 (as x_i == 0 for every i): an OR of the bits without the sign, which
-// vectorises where a chain of `zero &= x_i == 0` does not. NaN and every other value have bits left.
-template <class T>
-bool all_zero(const T* x, index_t n) {
-    using U = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
-    static_assert(sizeof(U) == sizeof(T));
-    U bits = 0;
-    for (index_t i = 0; i < n; ++i) bits |= std::bit_cast<U>(x[i]) << 1;
-    return bits == 0;
-}
+// fmadd (a·b + c with PyTorch's rounding) and product (a·b rounded once, never fused into a later
+// addition) are defined with the kernels (kernels/cpu/optimizer.hpp); the coefficients below use
+// product() on the host too, so that 1 − lr·wd rounds as PyTorch rounds it.
 
 inline void check_lr(double lr, const char* who) {
     MNEMO_CHECK(std::isfinite(lr) && lr >= 0.0, who, ": lr must be finite and >= 0, got ", lr);
@@ -120,16 +103,27 @@ void check_step(const T* params, const T* grads, index_t n, index_t expected, do
 }
 
 template <class T>
-void check_state_span(std::span<const T> s, index_t expected, const char* who, const char* name) {
-    MNEMO_CHECK(static_cast<index_t>(s.size()) == expected, who, ": set_state: ", name, " has ", s.size(),
+void check_state_span(std::span<const T> s, index_t expected, const char* who, const char* what, const char* name) {
+    MNEMO_CHECK(static_cast<index_t>(s.size()) == expected, who, ": ", what, ": ", name, " has ", s.size(),
                 " elements, the optimizer holds ", expected);
 }
 
-// Copies saved state into an optimizer's buffer of the same size; passing the optimizer's own buffer
-// back (set_state(opt.step_count(), opt.exp_avg(), ...)) is a no-op rather than an overlapping copy.
-template <class T>
-void copy_state(std::span<const T> from, T* to) {
-    if (from.data() != to) std::copy(from.begin(), from.end(), to);
+// Host path of optimizer state: saved state into an optimizer's buffer of the same size (Backend
+// memory). Passing a CPU optimizer's own buffer back (set_state(opt.step_count(), opt.exp_avg(), ...))
+// is a no-op rather than an overlapping copy.
+template <class Backend, class T>
+void upload_state(std::span<const T> from, T* to) {
+    if (from.data() != to && !from.empty()) device_memory<Backend>::upload(to, from.data(), from.size_bytes());
+}
+template <class Backend, class T>
+void download_state(const T* from, std::span<T> to) {
+    if (from != to.data() && !to.empty()) device_memory<Backend>::download(to.data(), from, to.size_bytes());
+}
+
+// A zeroed buffer of n elements in Backend's memory.
+template <class Backend, class T>
+void zeroed(buffer<T, Backend>& b, index_t n) {
+    if (n > 0) device_memory<Backend>::fill_zero(b.ensure(n), sizeof(T) * static_cast<std::size_t>(n));
 }
 
 // step() overloads shared by every optimizer: the rate from the options, an explicit rate, a schedule
@@ -138,7 +132,7 @@ void copy_state(std::span<const T> from, T* to) {
 // where it also provides step(params, grads, n, lr, live) (the gradient is +0 outside the runs `live`),
 // the parameter_set overloads pass it the set's grad_live_ranges(). They read the gradients through the
 // const grads(), which leaves the set's record of touched rows as it is.
-template <class Derived, class T>
+template <class Derived, class T, class Backend>
 class step_overloads {
 public:
     void step(T* params, const T* grads, index_t n) { self().step(params, grads, n, self().options().lr); }
@@ -146,13 +140,9 @@ public:
     void step(T* params, const T* grads, index_t n, const S& schedule) {
         self().step(params, grads, n, static_cast<double>(schedule.lr(self().step_count())));
     }
-    void step(parameter_set<T>& set) { step(set, self().options().lr); }
-    void step(parameter_set<T>& set, double lr) {
-        const parameter_set<T>& cset = set;
-        if constexpr (requires { Derived::defers_decay; }) {  // adamw, labml_adam: see parameters.hpp
-            self().run(nullptr, cset.grads(), set.size(), lr, cset.grad_live_ranges(), &set);
-            return;
-        }
+    void step(parameter_set<T, Backend>& set) { step(set, self().options().lr); }
+    void step(parameter_set<T, Backend>& set, double lr) {
+        const parameter_set<T, Backend>& cset = set;
         T* values = set.values();
         if constexpr (requires(Derived& d, T* p, const T* g, std::span<const flat_range> live) { d.step(p, g, index_t(0), 0.0, live); })
             self().step(values, cset.grads(), set.size(), lr, cset.grad_live_ranges());
@@ -160,7 +150,7 @@ public:
             self().step(values, cset.grads(), set.size(), lr);
     }
     template <lr_schedule S>
-    void step(parameter_set<T>& set, const S& schedule) {
+    void step(parameter_set<T, Backend>& set, const S& schedule) {
         step(set, static_cast<double>(schedule.lr(self().step_count())));
     }
 
@@ -171,8 +161,9 @@ private:
 }  // namespace detail::optim
 
 /// The state of the Adam family: the step counter t and the two moment buffers m (exp_avg) and v
-/// (exp_avg_sq), each in the parameters' layout. This is what a checkpoint saves and restores.
-template <class T>
+/// (exp_avg_sq), each in the parameters' layout and in Backend's memory. This is what a checkpoint
+/// saves (download_state) and restores (set_state).
+template <class T, class Backend = cpu>
 class adam_state {
 public:
     static_assert(std::is_floating_point_v<T>, "mnemo: optimizers are defined for float and double");
@@ -181,75 +172,56 @@ public:
     std::int64_t step_count() const { return step_; }
     /// Number of elements the optimizer was built for.
     index_t size() const { return n_; }
-    std::span<T> exp_avg() { return {m_.data(), m_.size()}; }
-    std::span<const T> exp_avg() const { return {m_.data(), m_.size()}; }
-    std::span<T> exp_avg_sq() { return {v_.data(), v_.size()}; }
-    std::span<const T> exp_avg_sq() const { return {v_.data(), v_.size()}; }
+    /// The moment buffers, in Backend's memory (host memory on the CPU).
+    std::span<T> exp_avg() { return {m_.data(), std::size_t(n_)}; }
+    std::span<const T> exp_avg() const { return {m_.data(), std::size_t(n_)}; }
+    std::span<T> exp_avg_sq() { return {v_.data(), std::size_t(n_)}; }
+    std::span<const T> exp_avg_sq() const { return {v_.data(), std::size_t(n_)}; }
 
-    /// Restores a saved state (resume): the next step is step + 1 and continues bit for bit.
+    /// Restores a saved state (resume) from host memory: the next step is step + 1 and continues bit
+    /// for bit.
     void set_state(std::int64_t step, std::span<const T> exp_avg, std::span<const T> exp_avg_sq) {
         MNEMO_CHECK(step >= 0, who_, ": set_state: step must be >= 0, got ", step);
-        detail::optim::check_state_span(exp_avg, n_, who_, "exp_avg");
-        detail::optim::check_state_span(exp_avg_sq, n_, who_, "exp_avg_sq");
-        detail::optim::copy_state(exp_avg, m_.data());
-        detail::optim::copy_state(exp_avg_sq, v_.data());
+        detail::optim::check_state_span(exp_avg, n_, who_, "set_state", "exp_avg");
+        detail::optim::check_state_span(exp_avg_sq, n_, who_, "set_state", "exp_avg_sq");
+        detail::optim::upload_state<Backend>(exp_avg, m_.data());
+        detail::optim::upload_state<Backend>(exp_avg_sq, v_.data());
         step_ = step;
-        for (index_t b = 0; b < index_t(cold_.size()); ++b) {
-            const index_t i0 = b * cold_block, i1 = std::min(n_, i0 + cold_block);
-            bool zero = true;
-            for (index_t i = i0; i < i1 && zero; ++i) zero = m_[std::size_t(i)] == T(0) && v_[std::size_t(i)] == T(0);
-            cold_[std::size_t(b)] = zero;
-        }
+        if (n_ > 0) kernels::adam_cold_blocks(m_.data(), v_.data(), n_, cold_.data());
+    }
+    /// The moments into host memory (size() elements each), for a checkpoint.
+    void download_state(std::span<T> exp_avg, std::span<T> exp_avg_sq) const {
+        detail::optim::check_state_span(std::span<const T>(exp_avg), n_, who_, "download_state", "exp_avg");
+        detail::optim::check_state_span(std::span<const T>(exp_avg_sq), n_, who_, "download_state", "exp_avg_sq");
+        detail::optim::download_state<Backend>(m_.data(), exp_avg);
+        detail::optim::download_state<Backend>(v_.data(), exp_avg_sq);
     }
 
 protected:
-    adam_state(index_t n, const char* who)
-        : n_((detail::optim::check_size(n, who), n)),
-          m_(static_cast<std::size_t>(n), T(0)),
-          v_(static_cast<std::size_t>(n), T(0)),
-          cold_(static_cast<std::size_t>((n + cold_block - 1) / cold_block), 1),
-          who_(who) {}
+    using kernels = checked_ops<Backend>;
 
-    /// The update loop of the decoupled-decay Adam variants, by blocks of cold_block elements. A block
-    /// whose moments are still exactly zero ("cold": it has never had a non-zero gradient) and whose
-    /// gradient is all zero gets only decay(i0, i1): for such an element Adam's update is exactly
-    /// p·(1 − lr·wd), since m and v stay 0 and the step term is ±0 / ε. Every other block gets
-    /// update(i0, i1) and is warm from then on. Results are bitwise those of the plain loop; the
-    /// saving is the traffic over parameters that never receive gradient, such as the rows of the
-    /// relative-position tables (P = 4096) outside the window a model's lengths ever reach.
-    /// The gradient is +0 outside the sorted, disjoint runs `live` (a parameter_set's
-    /// grad_live_ranges(), or all of [0, n)): a cold block that no run meets is known zero without
-    /// reading its gradient, and one that runs meet is checked over those runs only.
-    /// With `deferral` (a parameter_set in a step begun with begin_deferred_decay), a cold block with
-    /// zero gradient is left alone instead (it owes the step's decay, see parameters.hpp), and every
-    /// other block is settled before its update.
-    template <class Update, class Decay>
-    void sweep(const T* grads, std::span<const flat_range> live, Update&& update, Decay&& decay,
-               parameter_set<T>* deferral = nullptr) {
-        static_assert(cold_block == parameter_set<T>::deferred_block);
-        const index_t blocks = index_t(cold_.size());
-        const flat_range* live_end = live.data() + live.size();
-        parallel_range(blocks, n_ >= detail::optim::elementwise_parallel_threshold, [&](index_t b0, index_t b1) {
-            const flat_range* r = detail::optim::first_live_after(live, b0 * cold_block);
-            for (index_t b = b0; b < b1; ++b) {
-                const index_t i0 = b * cold_block, i1 = std::min(n_, i0 + cold_block);
-                while (r != live_end && r->end <= i0) ++r;  // r: the first run that ends after i0
-                if (cold_[std::size_t(b)]) {
-                    bool zero = true;
-                    for (const flat_range* q = r; q != live_end && q->begin < i1 && zero; ++q) {
-                        const index_t a = std::max(i0, q->begin), e = std::min(i1, q->end);
-                        zero = detail::optim::all_zero(grads + a, e - a);
-                    }
-                    if (zero) {
-                        if (!deferral) decay(i0, i1);
-                        continue;
-                    }
-                    cold_[std::size_t(b)] = 0;
-                }
-                if (deferral) deferral->settle_block(b);
-                update(i0, i1);
-            }
-        });
+    adam_state(index_t n, const char* who) : n_((detail::optim::check_size(n, who), n)), who_(who) {
+        detail::optim::zeroed(m_, n);
+        detail::optim::zeroed(v_, n);
+        const index_t blocks = (n + adam_cold_block - 1) / adam_cold_block;
+        if (blocks > 0) cold_.ensure(blocks);
+        if (n > 0) kernels::adam_cold_blocks(m_.data(), v_.data(), n_, cold_.data());  // all cold
+    }
+
+    // One step of rule R at the coefficients c (t is already counted). The decoupled rules skip cold
+    // blocks (kernels/optimizer_state.hpp); adam's L2 term reads every parameter, so it has none.
+    template <adam_rule R>
+    void run(T* params, const T* grads, std::span<const flat_range> live, const adam_coefficients<T>& c) {
+        adam_step_args<T> a;
+        a.params = params;
+        a.grads = grads;
+        a.m = m_.data();
+        a.v = v_.data();
+        a.n = n_;
+        a.cold = R == adam_rule::adam ? nullptr : cold_.data();
+        a.live = live;
+        a.c = c;
+        if (n_ > 0) kernels::template adam_step<R>(a);
     }
 
     // The checks on the runs a step is given: sorted, disjoint, inside [0, n).
@@ -262,18 +234,23 @@ protected:
         }
     }
 
-    /// The whole update of a cold block with zero gradient: p ← p·(1 − lr·wd), as the full loop computes it.
-    static void decay_only(T* params, index_t i_begin, index_t i_end, T decay) {
-        if (decay != T(1))
-            for (index_t i = i_begin; i < i_end; ++i) params[i] = detail::optim::product(params[i], decay);
+    // The coefficients every rule shares, formed from the options in double and rounded to T once.
+    template <class Options>
+    static adam_coefficients<T> moments(const Options& o) {
+        adam_coefficients<T> c;
+        c.beta1 = static_cast<T>(o.beta1);
+        c.one_minus_beta1 = static_cast<T>(1.0 - o.beta1);
+        c.beta2 = static_cast<T>(o.beta2);
+        c.one_minus_beta2 = static_cast<T>(1.0 - o.beta2);
+        c.eps = static_cast<T>(o.eps);
+        return c;
     }
 
-    static constexpr index_t cold_block = 1024;
     index_t n_;
     std::int64_t step_ = 0;
-    aligned_vector<T> m_;  // (n) first moment
-    aligned_vector<T> v_;  // (n) second moment
-    std::vector<std::uint8_t> cold_;  // per block of cold_block: moments known to be exactly zero
+    buffer<T, Backend> m_;  // (n) first moment
+    buffer<T, Backend> v_;  // (n) second moment
+    buffer<std::uint8_t, Backend> cold_;  // per block of adam_cold_block: moments known to be exactly zero
     const char* who_;
 };
 
@@ -287,12 +264,12 @@ struct adamw_options {
 };
 
 /// torch.optim.AdamW (decoupled weight decay).
-template <class T>
-class adamw : public adam_state<T>, public detail::optim::step_overloads<adamw<T>, T> {
+template <class T, class Backend = cpu>
+class adamw : public adam_state<T, Backend>, public detail::optim::step_overloads<adamw<T, Backend>, T, Backend> {
 public:
-    using detail::optim::step_overloads<adamw<T>, T>::step;
+    using detail::optim::step_overloads<adamw<T, Backend>, T, Backend>::step;
 
-    explicit adamw(index_t n, adamw_options options = {}) : adam_state<T>(n, "adamw"), o_(options) {
+    explicit adamw(index_t n, adamw_options options = {}) : adam_state<T, Backend>(n, "adamw"), o_(options) {
         detail::optim::check_adam_options(o_, "adamw");
     }
 
@@ -307,55 +284,19 @@ public:
     /// parameter_set::grad_live_ranges() reports; step(set) passes it): bitwise the same result,
     /// without reading the gradient of blocks that never had any.
     void step(T* params, const T* grads, index_t n, double lr, std::span<const flat_range> live) {
-        run(params, grads, n, lr, live, nullptr);
-    }
-
-private:
-    friend class detail::optim::step_overloads<adamw<T>, T>;
-    // step(set) defers the decay of the blocks that get no gradient (parameters.hpp).
-    static constexpr bool defers_decay = true;
-
-    // With `deferral`, params is null and comes from deferral->begin_deferred_decay(), after the checks
-    // (a rejected step must not log a factor).
-    void run(T* params, const T* grads, index_t n, double lr, std::span<const flat_range> live,
-             parameter_set<T>* deferral) {
-        detail::optim::check_step(deferral ? grads : params, grads, n, this->n_, lr, "adamw");
+        detail::optim::check_step(params, grads, n, this->n_, lr, "adamw");
         this->check_live(live);
         const std::int64_t t = ++this->step_;
         const double bias_correction1 = 1.0 - std::pow(o_.beta1, static_cast<double>(t));
         const double bias_correction2 = 1.0 - std::pow(o_.beta2, static_cast<double>(t));
-        const T decay = static_cast<T>(1.0 - detail::optim::product(lr, o_.weight_decay));
-        const T beta1 = static_cast<T>(o_.beta1), one_minus_beta1 = static_cast<T>(1.0 - o_.beta1);
-        const T beta2 = static_cast<T>(o_.beta2), one_minus_beta2 = static_cast<T>(1.0 - o_.beta2);
-        const T bias_correction2_sqrt = static_cast<T>(std::sqrt(bias_correction2));
-        const T eps = static_cast<T>(o_.eps);
-        const T neg_step_size = static_cast<T>(-(lr / bias_correction1));
-        const coefficients c{decay, beta1, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size};
-        T* m = this->m_.data();
-        T* v = this->v_.data();
-        if (deferral) params = deferral->begin_deferred_decay(decay);
-        this->sweep(grads, live, [&](index_t i_begin, index_t i_end) { update(params, grads, m, v, i_begin, i_end, c); },
-                    [&](index_t i_begin, index_t i_end) { this->decay_only(params, i_begin, i_end, decay); }, deferral);
+        adam_coefficients<T> c = this->moments(o_);
+        c.decay = static_cast<T>(1.0 - detail::optim::product(lr, o_.weight_decay));
+        c.bias_correction2_sqrt = static_cast<T>(std::sqrt(bias_correction2));
+        c.neg_step_size = static_cast<T>(-(lr / bias_correction1));
+        this->template run<adam_rule::adamw>(params, grads, live, c);
     }
 
-    struct coefficients {
-        T decay, beta1, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size;
-    };
-    // The update of [i_begin, i_end). Buffers and coefficients come in as arguments, not as a lambda's
-    // captures, for the vectoriser (see Speed in the header comment).
-    static void update(T* params, const T* grads, T* m, T* v, index_t i_begin, index_t i_end, const coefficients c) {
-        for (index_t i = i_begin; i < i_end; ++i) {
-            const T g = grads[i];
-            const T p = detail::optim::product(params[i], c.decay);                       // param.mul_(1 - lr*wd)
-            const T mi = detail::optim::fmadd(c.one_minus_beta1, g, m[i] * c.beta1);      // m.mul_(b1).add_(g, 1-b1)
-            const T vi = detail::optim::fmadd(c.one_minus_beta2 * g, g, v[i] * c.beta2);  // v.mul_(b2).addcmul_(g, g, 1-b2)
-            m[i] = mi;
-            v[i] = vi;
-            const T denom = std::sqrt(vi) / c.bias_correction2_sqrt + c.eps;
-            params[i] = p + (c.neg_step_size * mi) / denom;  // param.addcdiv_(m, denom, -step_size)
-        }
-    }
-
+private:
     adamw_options o_;
 };
 
@@ -369,12 +310,12 @@ struct adam_options {
 };
 
 /// torch.optim.Adam (weight decay as L2 regularisation: g ← g + wd·p).
-template <class T>
-class adam : public adam_state<T>, public detail::optim::step_overloads<adam<T>, T> {
+template <class T, class Backend = cpu>
+class adam : public adam_state<T, Backend>, public detail::optim::step_overloads<adam<T, Backend>, T, Backend> {
 public:
-    using detail::optim::step_overloads<adam<T>, T>::step;
+    using detail::optim::step_overloads<adam<T, Backend>, T, Backend>::step;
 
-    explicit adam(index_t n, adam_options options = {}) : adam_state<T>(n, "adam"), o_(options) {
+    explicit adam(index_t n, adam_options options = {}) : adam_state<T, Backend>(n, "adam"), o_(options) {
         detail::optim::check_adam_options(o_, "adam");
     }
 
@@ -385,40 +326,15 @@ public:
         const std::int64_t t = ++this->step_;
         const double bias_correction1 = 1.0 - std::pow(o_.beta1, static_cast<double>(t));
         const double bias_correction2 = 1.0 - std::pow(o_.beta2, static_cast<double>(t));
-        const bool l2 = o_.weight_decay != 0.0;  // PyTorch skips the add when wd == 0
-        const T wd = static_cast<T>(o_.weight_decay);
-        const T beta1 = static_cast<T>(o_.beta1), one_minus_beta1 = static_cast<T>(1.0 - o_.beta1);
-        const T beta2 = static_cast<T>(o_.beta2), one_minus_beta2 = static_cast<T>(1.0 - o_.beta2);
-        const T bias_correction2_sqrt = static_cast<T>(std::sqrt(bias_correction2));
-        const T eps = static_cast<T>(o_.eps);
-        const T neg_step_size = static_cast<T>(-(lr / bias_correction1));
-        const coefficients c{l2, wd, beta1, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size};
-        T* m = this->m_.data();
-        T* v = this->v_.data();
-        parallel_range(n, n >= detail::optim::elementwise_parallel_threshold,
-                       [&](index_t i_begin, index_t i_end) { update(params, grads, m, v, i_begin, i_end, c); });
+        adam_coefficients<T> c = this->moments(o_);
+        c.l2 = o_.weight_decay != 0.0;  // PyTorch skips the add when wd == 0
+        c.wd = static_cast<T>(o_.weight_decay);
+        c.bias_correction2_sqrt = static_cast<T>(std::sqrt(bias_correction2));
+        c.neg_step_size = static_cast<T>(-(lr / bias_correction1));
+        this->template run<adam_rule::adam>(params, grads, {}, c);
     }
 
 private:
-    struct coefficients {
-        bool l2;
-        T wd, beta1, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size;
-    };
-    // The update of [i_begin, i_end), with its buffers and coefficients as arguments (see Speed in
-    // the header comment).
-    static void update(T* params, const T* grads, T* m, T* v, index_t i_begin, index_t i_end, const coefficients c) {
-        for (index_t i = i_begin; i < i_end; ++i) {
-            const T p = params[i];
-            const T g = c.l2 ? detail::optim::fmadd(c.wd, p, grads[i]) : grads[i];  // grad.add(param, alpha=wd)
-            const T mi = detail::optim::fmadd(c.one_minus_beta1, g, m[i] * c.beta1);
-            const T vi = detail::optim::fmadd(c.one_minus_beta2 * g, g, v[i] * c.beta2);
-            m[i] = mi;
-            v[i] = vi;
-            const T denom = std::sqrt(vi) / c.bias_correction2_sqrt + c.eps;
-            params[i] = p + (c.neg_step_size * mi) / denom;
-        }
-    }
-
     adam_options o_;
 };
 
@@ -433,13 +349,13 @@ struct sgd_options {
 };
 
 /// torch.optim.SGD with momentum, dampening, Nesterov momentum and L2 weight decay.
-/// State: the step counter and, when momentum != 0, the momentum buffer (PyTorch's momentum_buffer),
-/// which the first step sets to the gradient itself (no dampening), as PyTorch does.
-template <class T>
-class sgd : public detail::optim::step_overloads<sgd<T>, T> {
+/// State: the step counter and, when momentum != 0, the momentum buffer (PyTorch's momentum_buffer, in
+/// Backend's memory), which the first step sets to the gradient itself (no dampening), as PyTorch does.
+template <class T, class Backend = cpu>
+class sgd : public detail::optim::step_overloads<sgd<T, Backend>, T, Backend> {
 public:
     static_assert(std::is_floating_point_v<T>, "mnemo: optimizers are defined for float and double");
-    using detail::optim::step_overloads<sgd<T>, T>::step;
+    using detail::optim::step_overloads<sgd<T, Backend>, T, Backend>::step;
 
     explicit sgd(index_t n, sgd_options options = {}) : n_((detail::optim::check_size(n, "sgd"), n)), o_(options) {
         detail::optim::check_lr(o_.lr, "sgd");
@@ -451,65 +367,59 @@ public:
         MNEMO_CHECK(!o_.nesterov || (o_.momentum > 0.0 && o_.dampening == 0.0),
                     "sgd: nesterov requires momentum > 0 and dampening == 0 (got momentum ", o_.momentum,
                     ", dampening ", o_.dampening, ")");
-        if (o_.momentum != 0.0) buf_.assign(static_cast<std::size_t>(n), T(0));
+        if (o_.momentum != 0.0) {
+            detail::optim::zeroed(buf_, n);
+            buf_size_ = n;
+        }
     }
 
     const sgd_options& options() const { return o_; }
     std::int64_t step_count() const { return step_; }
     index_t size() const { return n_; }
-    /// The momentum buffer (n elements; empty when momentum == 0). Meaningful once step_count() > 0.
-    std::span<T> momentum_buffer() { return {buf_.data(), buf_.size()}; }
-    std::span<const T> momentum_buffer() const { return {buf_.data(), buf_.size()}; }
+    /// The momentum buffer (n elements in Backend's memory; empty when momentum == 0). Meaningful once
+    /// step_count() > 0.
+    std::span<T> momentum_buffer() { return {buf_.data(), std::size_t(buf_size_)}; }
+    std::span<const T> momentum_buffer() const { return {buf_.data(), std::size_t(buf_size_)}; }
 
-    /// Restores a saved state. momentum_buffer must have size() elements, or none when momentum == 0.
+    /// Restores a saved state from host memory. momentum_buffer must have size() elements, or none when
+    /// momentum == 0.
     void set_state(std::int64_t step, std::span<const T> momentum_buffer) {
         MNEMO_CHECK(step >= 0, "sgd: set_state: step must be >= 0, got ", step);
-        detail::optim::check_state_span(momentum_buffer, static_cast<index_t>(buf_.size()), "sgd", "momentum_buffer");
-        detail::optim::copy_state(momentum_buffer, buf_.data());
+        detail::optim::check_state_span(momentum_buffer, buf_size_, "sgd", "set_state", "momentum_buffer");
+        detail::optim::upload_state<Backend>(momentum_buffer, buf_.data());
         step_ = step;
+    }
+    /// The momentum buffer into host memory (size() elements, or none when momentum == 0).
+    void download_state(std::span<T> momentum_buffer) const {
+        detail::optim::check_state_span(std::span<const T>(momentum_buffer), buf_size_, "sgd", "download_state",
+                                        "momentum_buffer");
+        detail::optim::download_state<Backend>(buf_.data(), momentum_buffer);
     }
 
     void step(T* params, const T* grads, index_t n, double lr) {
         detail::optim::check_step(params, grads, n, n_, lr, "sgd");
-        const bool first = step_ == 0;  // PyTorch: momentum_buffer is None
+        sgd_step_args<T> a;
+        a.params = params;
+        a.grads = grads;
+        a.b = o_.momentum == 0.0 ? nullptr : buf_.data();
+        a.n = n;
+        a.first = step_ == 0;  // PyTorch: momentum_buffer is None
+        a.l2 = o_.weight_decay != 0.0;
+        a.nesterov = o_.nesterov;
+        a.wd = static_cast<T>(o_.weight_decay);
+        a.momentum = static_cast<T>(o_.momentum);
+        a.one_minus_dampening = static_cast<T>(1.0 - o_.dampening);
+        a.neg_lr = static_cast<T>(-lr);
         ++step_;
-        const bool l2 = o_.weight_decay != 0.0;
-        const T wd = static_cast<T>(o_.weight_decay);
-        const T neg_lr = static_cast<T>(-lr);
-        if (o_.momentum == 0.0) {
-            parallel_range(n, n >= detail::optim::elementwise_parallel_threshold, [&](index_t i_begin, index_t i_end) {
-            #pragma omp simd
-            for (index_t i = i_begin; i < i_end; ++i) {
-                const T p = params[i];
-                const T g = l2 ? detail::optim::fmadd(wd, p, grads[i]) : grads[i];  // d_p.add(param, alpha=wd)
-                params[i] = detail::optim::fmadd(neg_lr, g, p);                      // param.add_(d_p, alpha=-lr)
-            }
-            });
-            return;
-        }
-        const T momentum = static_cast<T>(o_.momentum);
-        const T one_minus_dampening = static_cast<T>(1.0 - o_.dampening);
-        const bool nesterov = o_.nesterov;
-        T* b = buf_.data();
-        parallel_range(n, n >= detail::optim::elementwise_parallel_threshold, [&](index_t i_begin, index_t i_end) {
-        #pragma omp simd
-        for (index_t i = i_begin; i < i_end; ++i) {
-            const T p = params[i];
-            const T g = l2 ? detail::optim::fmadd(wd, p, grads[i]) : grads[i];
-            // First step: buf = clone(d_p). Later: buf.mul_(momentum).add_(d_p, alpha=1-dampening).
-            const T bi = first ? g : detail::optim::fmadd(one_minus_dampening, g, b[i] * momentum);
-            b[i] = bi;
-            const T d = nesterov ? detail::optim::fmadd(momentum, bi, g) : bi;  // d_p.add(buf, alpha=momentum)
-            params[i] = detail::optim::fmadd(neg_lr, d, p);
-        }
-        });
+        if (n > 0) checked_ops<Backend>::sgd_step(a);
     }
 
 private:
     index_t n_;
     sgd_options o_;
     std::int64_t step_ = 0;
-    aligned_vector<T> buf_;  // (n) or empty
+    buffer<T, Backend> buf_;  // (n) or empty
+    index_t buf_size_ = 0;
 };
 
 /// Options of labml_nn's Adam family. eps = 1e-8 is the Compressive Transformer experiment's value
@@ -526,13 +436,14 @@ struct labml_adam_options {
 /// it is labml's AdamWarmup, with noam_schedule its Noam optimizer:
 ///     opt.step(params, grads, n, adam_warmup_schedule(lr, 2000));
 /// Weight decay is decoupled and scaled by options().lr (labml's group['lr']), not by lr_t.
-template <class T>
-class labml_adam : public adam_state<T>, public detail::optim::step_overloads<labml_adam<T>, T> {
+template <class T, class Backend = cpu>
+class labml_adam : public adam_state<T, Backend>,
+                   public detail::optim::step_overloads<labml_adam<T, Backend>, T, Backend> {
 public:
-    using detail::optim::step_overloads<labml_adam<T>, T>::step;
+    using detail::optim::step_overloads<labml_adam<T, Backend>, T, Backend>::step;
 
     explicit labml_adam(index_t n, labml_adam_options options = {})
-        : adam_state<T>(n, "labml_adam"), o_(options) {
+        : adam_state<T, Backend>(n, "labml_adam"), o_(options) {
         detail::optim::check_adam_options(o_, "labml_adam");
     }
 
@@ -547,55 +458,19 @@ public:
     /// parameter_set::grad_live_ranges() reports; step(set) passes it): bitwise the same result,
     /// without reading the gradient of blocks that never had any.
     void step(T* params, const T* grads, index_t n, double lr_t, std::span<const flat_range> live) {
-        run(params, grads, n, lr_t, live, nullptr);
-    }
-
-private:
-    friend class detail::optim::step_overloads<labml_adam<T>, T>;
-    // step(set) defers the decay of the blocks that get no gradient (parameters.hpp).
-    static constexpr bool defers_decay = true;
-
-    // With `deferral`, params is null and comes from deferral->begin_deferred_decay(), after the checks
-    // (a rejected step must not log a factor).
-    void run(T* params, const T* grads, index_t n, double lr_t, std::span<const flat_range> live,
-             parameter_set<T>* deferral) {
-        detail::optim::check_step(deferral ? grads : params, grads, n, this->n_, lr_t, "labml_adam");
+        detail::optim::check_step(params, grads, n, this->n_, lr_t, "labml_adam");
         this->check_live(live);
         const std::int64_t t = ++this->step_;
         const double bias_correction1 = 1.0 - std::pow(o_.beta1, static_cast<double>(t));
         const double bias_correction2 = 1.0 - std::pow(o_.beta2, static_cast<double>(t));
-        const T decay = static_cast<T>(1.0 - detail::optim::product(o_.lr, o_.weight_decay));
-        const T beta1 = static_cast<T>(o_.beta1), one_minus_beta1 = static_cast<T>(1.0 - o_.beta1);
-        const T beta2 = static_cast<T>(o_.beta2), one_minus_beta2 = static_cast<T>(1.0 - o_.beta2);
-        const T eps = static_cast<T>(o_.eps);
+        adam_coefficients<T> c = this->moments(o_);
+        c.decay = static_cast<T>(1.0 - detail::optim::product(o_.lr, o_.weight_decay));
         // step_size = lr * math.sqrt(bias_correction2) / bias_correction1, in that order.
-        const T neg_step_size = static_cast<T>(-(lr_t * std::sqrt(bias_correction2) / bias_correction1));
-        const coefficients c{decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, neg_step_size};
-        T* m = this->m_.data();
-        T* v = this->v_.data();
-        if (deferral) params = deferral->begin_deferred_decay(decay);
-        this->sweep(grads, live, [&](index_t i_begin, index_t i_end) { update(params, grads, m, v, i_begin, i_end, c); },
-                    [&](index_t i_begin, index_t i_end) { this->decay_only(params, i_begin, i_end, decay); }, deferral);
+        c.neg_step_size = static_cast<T>(-(lr_t * std::sqrt(bias_correction2) / bias_correction1));
+        this->template run<adam_rule::labml>(params, grads, live, c);
     }
 
-    struct coefficients {
-        T decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, neg_step_size;
-    };
-    // The update of [i_begin, i_end), with its buffers and coefficients as arguments (see Speed in
-    // the header comment).
-    static void update(T* params, const T* grads, T* m, T* v, index_t i_begin, index_t i_end, const coefficients c) {
-        for (index_t i = i_begin; i < i_end; ++i) {
-            const T g = grads[i];
-            const T p = detail::optim::product(params[i], c.decay);  // WeightDecay: param.mul_(1 - lr*wd), first
-            const T mi = detail::optim::fmadd(c.one_minus_beta1, g, m[i] * c.beta1);
-            const T vi = detail::optim::fmadd(c.one_minus_beta2 * g, g, v[i] * c.beta2);
-            m[i] = mi;
-            v[i] = vi;
-            const T denom = std::sqrt(vi) + c.eps;  // v.sqrt().add_(eps)
-            params[i] = p + (c.neg_step_size * mi) / denom;
-        }
-    }
-
+private:
     labml_adam_options o_;
 };
 

@@ -47,6 +47,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -115,7 +116,9 @@ struct trainer_options {
     std::uint64_t seed = 1;       // the sampling RNG's
 };
 
-/// AdamW, AdamWarmup or Noam over the flat parameter buffer, and the learning rate of each step.
+/// AdamW, AdamWarmup or Noam over the flat parameter buffer (in Backend's memory), and the learning
+/// rate of each step.
+template <class Backend = cpu>
 class trainer_optimizer {
 public:
     trainer_optimizer(const trainer_options& o, index_t n) : o_(o) {
@@ -130,7 +133,7 @@ public:
         (void)lr();  // checks the schedule's settings now
     }
 
-    adam_state<float>& state() {
+    adam_state<float, Backend>& state() {
         if (adamw_) return *adamw_;
         return *labml_;
     }
@@ -147,15 +150,15 @@ public:
         if (o_.schedule == schedule_kind::cosine) return cosine_schedule(o_.lr, o_.steps, o_.lr / 10, o_.warmup).lr(t);
         return linear_warmup_schedule(o_.lr, o_.warmup).lr(t);
     }
-    void step(parameter_set<float>& ps, double lr) {
+    void step(parameter_set<float, Backend>& ps, double lr) {
         if (adamw_) adamw_->step(ps, lr);
         else labml_->step(ps, lr);
     }
 
 private:
     trainer_options o_;
-    std::optional<adamw<float>> adamw_;
-    std::optional<labml_adam<float>> labml_;
+    std::optional<adamw<float, Backend>> adamw_;
+    std::optional<labml_adam<float, Backend>> labml_;
 };
 
 /// This rank's share of `batch` streams: an equal, contiguous slice (batch must divide evenly).
@@ -308,6 +311,7 @@ struct fit_hooks {
 template <class Model>
 class trainer {
 public:
+    using backend_type = typename Model::backend_type;
     using memory_type = decltype(make_trainer_memory(std::declval<Model&>(), 0, 0, 0, 0));
     static constexpr bool carries_memory = memory_model<Model>;
 
@@ -338,8 +342,13 @@ public:
         if (o_.eval_mem_len < 0) o_.eval_mem_len = o_.mem_len;
         if (o_.eval_c_mem_len < 0) o_.eval_c_mem_len = o_.c_mem_len;
         if (comm_.size() > 1) {  // every rank starts from rank 0's parameters
+            MNEMO_CHECK((std::is_same_v<backend_type, cpu>), "trainer: several ranks train a model on the CPU backend "
+                        "only (the gradient exchange of backend ", backend_type::name, " is not implemented)");
             auto& ps = model_.parameters();
-            comm_.broadcast(ps.values(), sizeof(float) * std::size_t(ps.size()), 0);
+            std::vector<float> values(std::size_t(ps.size()));
+            ps.download_all_values(values);
+            comm_.broadcast(values.data(), sizeof(float) * values.size(), 0);
+            ps.upload_all_values(values);
         }
     }
 
@@ -349,7 +358,7 @@ public:
     /// The streams this rank trains.
     stream_slice slice() const { return slice_; }
     const trainer_options& options() const { return o_; }
-    trainer_optimizer& optimizer() { return optimizer_; }
+    trainer_optimizer<backend_type>& optimizer() { return optimizer_; }
     memory_type& memory() { return memory_; }
     segment_streams& train_streams() { return train_; }
     const segment_streams& validation_streams() const { return valid_; }
@@ -369,7 +378,7 @@ public:
         double exchange_seconds = 0;
         if (comm_.size() > 1) {  // the mean over every rank's streams, as one process with the whole batch
             const auto e0 = std::chrono::steady_clock::now();
-            averager_.reduce(comm_, ps);
+            if constexpr (std::is_same_v<backend_type, cpu>) averager_.reduce(comm_, ps);  // (checked at construction)
             double losses[2] = {l.ce, l.ar};
             comm_.sum(losses, 2);
             l.ce = losses[0] / double(comm_.size());
@@ -418,7 +427,7 @@ public:
             const auto logits = model_.logits();  // [Q·B, vocab]
             for (index_t r = 0; r < logits.rows(); ++r) {
                 if (!streams.scored_answer(r)) continue;
-                const float* row = logits.row(r);
+                const float* row = host_row(logits, r);
                 const token_t best = token_t(std::max_element(row, row + logits.cols()) - row);
                 ++v.answers;
                 v.correct += best == targets[std::size_t(r)];
@@ -464,7 +473,7 @@ public:
             }
             for (std::int64_t k = 0; k < count; ++k) {
                 const auto logits = model_.logits();  // the last forward's [rows, vocab]; its last row predicts next
-                const token_t next = pick(logits.row(logits.rows() - 1), logits.cols(), how);
+                const token_t next = pick(host_row(logits, logits.rows() - 1), logits.cols(), how);
                 out.push_back(next);
                 if (k + 1 == count) break;
                 model_.forward(std::span<const token_t>(&next, 1), 1, memory);
@@ -487,7 +496,7 @@ public:
             for (std::size_t i = 0; i + 1 < prompt.size(); ++i) feed(prompt[i]);
             auto logits = feed(prompt.back());
             for (std::int64_t k = 0; k < count; ++k) {
-                const token_t next = pick(logits.row(0), logits.cols(), how);
+                const token_t next = pick(host_row(logits, 0), logits.cols(), how);
                 out.push_back(next);
                 if (k + 1 == count) break;
                 logits = feed(next);
@@ -600,14 +609,22 @@ private:
         metadata["format"] = "mnemo-train-1";
         metadata["step"] = std::to_string(optimizer_.step_count());
         metadata["vocab_hex"] = vocab_.hex();
+        // Everything the files hold reaches the host first (the host path); `host` keeps it until commit.
+        std::deque<std::vector<float>> host;  // a deque: adding keeps the references to what it holds
         const auto& ps = model_.parameters();
+        auto& opt = optimizer_.state();
+        const std::size_t n = std::size_t(ps.size());
+        std::vector<float>& values = host.emplace_back(n);
+        std::vector<float>& m = host.emplace_back(n);
+        std::vector<float>& v = host.emplace_back(n);
+        ps.download_all_values(values);
+        opt.download_state(m, v);
         checkpoint_writer cw(path);
-        add_parameter_buffer(cw.model(), ps, ps.values(), "");
+        add_parameter_buffer(cw.model(), ps, values.data(), "");
         cw.model().set_metadata(metadata);
         safetensors_writer& w = cw.state();
-        auto& opt = optimizer_.state();
-        add_parameter_buffer(w, ps, opt.exp_avg().data(), "optimizer.exp_avg.");
-        add_parameter_buffer(w, ps, opt.exp_avg_sq().data(), "optimizer.exp_avg_sq.");
+        add_parameter_buffer(w, ps, m.data(), "optimizer.exp_avg.");
+        add_parameter_buffer(w, ps, v.data(), "optimizer.exp_avg_sq.");
         const std::int64_t step = opt.step_count(), sample_offset = std::int64_t(sample_rng_.offset());
         const std::vector<std::int64_t> offsets = train_.offsets();
         w.add("trainer.step", {1}, &step);
@@ -617,14 +634,21 @@ private:
         if constexpr (carries_memory) {
             const std::int64_t b = o_.batch, d = model_width();
             const bool gathered = comm_.size() > 1;
+            const auto local = [&](const float* p, index_t slots, index_t width) {  // this rank's window, on the host
+                std::vector<float>& h = host.emplace_back();
+                download_to(p, slots * slice_.count * width, h);
+                return h.data();
+            };
             for (index_t slot = 0; slot < model_.n_memory_layers(); ++slot) {  // named by layer
                 const std::string p = "memory." + std::to_string(model_.memory_layer(slot));
                 const std::size_t k = std::size_t(slot) * 3;
-                w.add(p + ".mem", {memory_.mem_slots(), b, d}, gathered ? gathered_[k].data() : memory_.mem(slot).data());
+                w.add(p + ".mem", {memory_.mem_slots(), b, d},
+                      gathered ? gathered_[k].data() : local(memory_.mem(slot).data(), memory_.mem_slots(), d));
                 w.add(p + ".c_mem", {memory_.c_mem_slots(), b, d},
-                      gathered ? gathered_[k + 1].data() : memory_.c_mem(slot).data());
+                      gathered ? gathered_[k + 1].data() : local(memory_.c_mem(slot).data(), memory_.c_mem_slots(), d));
                 if constexpr (Model::needs_usage)  // most-used compression: the attention each row received
-                    w.add(p + ".usage", {memory_.mem_slots(), b}, gathered ? gathered_[k + 2].data() : memory_.usage(slot));
+                    w.add(p + ".usage", {memory_.mem_slots(), b},
+                          gathered ? gathered_[k + 2].data() : local(memory_.usage(slot), memory_.mem_slots(), 1));
             }
         }
         w.set_metadata(std::move(metadata));
@@ -639,8 +663,9 @@ private:
             gathered_.resize(std::size_t(model_.n_memory_layers()) * 3);
             const auto gather = [&](const float* mine, index_t slots, index_t width, std::vector<float>& out) {
                 const index_t block = slots * local * width;  // this rank's [slots, local, width]
+                download_to(mine, block, save_host_);
                 received_.resize(std::size_t(block * n));
-                comm_.gather(mine, sizeof(float) * std::size_t(block), received_.data(), 0);
+                comm_.gather(save_host_.data(), sizeof(float) * std::size_t(block), received_.data(), 0);
                 if (comm_.rank() != 0) return;
                 out.resize(std::size_t(block * n));
                 for (index_t r = 0; r < n; ++r)  // rank r's streams are [r·local, (r + 1)·local)
@@ -679,6 +704,20 @@ private:
         return o;
     }
 
+    // n elements of Backend's memory at p, into out on the host.
+    static void download_to(const float* p, index_t n, std::vector<float>& out) {
+        out.resize(std::size_t(n));
+        if (n > 0) device_memory<backend_type>::download(out.data(), p, sizeof(float) * std::size_t(n));
+    }
+
+    // Row r of a view of logits, over the host path (valid until the next call).
+    template <class V>
+    const float* host_row(const V& logits, index_t r) {
+        row_host_.resize(std::size_t(logits.cols()));
+        device_memory<backend_type>::download(row_host_.data(), logits.row(r), sizeof(float) * row_host_.size());
+        return row_host_.data();
+    }
+
     token_t pick(const float* logits, index_t vocab, const sampling_options& how) {
         return sample_token<float>(std::span<const float>(logits, std::size_t(vocab)), how, sample_rng_, scratch_);
     }
@@ -689,7 +728,7 @@ private:
     communicator& comm_;
     stream_slice slice_;
     segment_streams train_, valid_;
-    trainer_optimizer optimizer_;
+    trainer_optimizer<backend_type> optimizer_;
     memory_type memory_;
     rng sample_rng_;
     sampling_scratch scratch_;
@@ -697,6 +736,8 @@ private:
     gradient_averager averager_;
     std::vector<std::vector<float>> gathered_;  // rank 0: every stream's memory, for a save
     std::vector<float> received_;
+    std::vector<float> row_host_;  // a row of logits, over the host path
+    std::vector<float> save_host_;   // a save's scratch: a parameter buffer or a memory window on the host
     std::int64_t last_saved_ = -1;
     std::string last_saved_path_;
 };

@@ -1,5 +1,5 @@
 #pragma once
-// The compression functions' time-axis kernels (nn/compression.hpp, nn/compression_extra.hpp and the
+// The compression functions' time-axis kernels (nn/compression/: conv, pooling, dilated_conv and the
 // auto-encoding loss use them): the im2col gather of Rate consecutive memory slots and its scatter,
 // max and mean pooling over them, and their backward passes.
 #include <cmath>

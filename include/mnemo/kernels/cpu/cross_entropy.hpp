@@ -4,8 +4,8 @@
 //   lse_i  = log Σ_j exp(x[i, j])         loss_i = lse_i − x[i, t_i]
 //   dx[i, j] = g_i · (softmax(x_i)_j − [j = t_i])
 // A negative target marks a row to ignore (loss 0, gradient 0), as PyTorch's ignore_index.
-// Targets >= V are rejected by the caller (cross_entropy_check_targets) before any kernel runs,
-// because nothing can be thrown out of an OpenMP loop.
+// Targets >= V are rejected by the caller (check_targets, nn/module.hpp, on the host input) before
+// any kernel runs.
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -18,14 +18,6 @@
 namespace mnemo::cpu_kernels {
 
 struct cross_entropy {
-    /// Throws mnemo::error naming the first target outside [−∞, V).
-    template <class I>
-    static void cross_entropy_check_targets(index_t rows, index_t vocab, const I* targets) {
-        for (index_t i = 0; i < rows; ++i)
-            MNEMO_CHECK(targets[i] < static_cast<I>(vocab), "cross_entropy: target ", static_cast<long long>(targets[i]),
-                        " at row ", i, " is outside the vocabulary of ", vocab);
-    }
-
     /// losses[i] = cross-entropy of row i; lse[i] (may be null) saved for backward.
     template <class T, class I>
     static void cross_entropy_forward(index_t rows, index_t vocab, const T* logits, index_t ld, const I* targets,

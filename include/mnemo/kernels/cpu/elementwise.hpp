@@ -1,6 +1,7 @@
 #pragma once
 // Small row-wise helpers: bias broadcast, column sums (bias gradients), adds and copies.
 #include <algorithm>
+#include <span>
 
 #include "parallel.hpp"
 #include "../../core/shape.hpp"
@@ -73,11 +74,13 @@ struct elementwise {
         for (index_t k = 0; k < n; ++k) y[k] += a * x[k];
     }
 
-    /// y[r, :] = Σ_l w[l]·x_l[r, :] over n inputs x_l (host array of pointers, row stride ldx each; w: n
-    /// host scalars), in the order y = w_0·x_0, then y += w_l·x_l for l = 1 … n − 1 (one thread).
+    /// y[r, :] = Σ_l w[l]·x_l[r, :] over the n = x.size() inputs x_l (row stride ldx each) with the n
+    /// weights w, in the order y = w_0·x_0, then y += w_l·x_l for l = 1 … n − 1 (one thread). x and w
+    /// are host metadata (spans: the pointers and the scalars), the rows the backend's memory.
     template <class T>
-    static void weighted_sum_rows(index_t rows, index_t d, index_t n, const T* const* x, index_t ldx, const T* w, T* y,
-                                  index_t ldy) {
+    static void weighted_sum_rows(index_t rows, index_t d, std::span<const T* const> x, index_t ldx, std::span<const T> w,
+                                  T* y, index_t ldy) {
+        const index_t n = index_t(x.size());
         for (index_t r = 0; r < rows; ++r) {
             T* m = y + r * ldy;
             const T w0 = w[0];

@@ -2,7 +2,7 @@
 // Single-precision GEMM for AVX-512 that reads its operands where they lie: no packing. For products
 // small enough to run on one thread (tens of thousands to a few million multiply-adds) whose
 // operands are re-read too few times to repay a packed copy, in particular the absorbed memory
-// attention's per-batch-element products [H·Q, D]·ẑᵀ and [H·Q, M]·ẑ (relative_attention.hpp), where
+// attention's per-batch-element products [H·Q, D]·ẑᵀ and [H·Q, M]·ẑ (nn/attention/relative.hpp), where
 // ẑ's rows lie B·D floats apart and Eigen spent a fifth of its time copying them into panels.
 //
 // gemm_nn: C[M,N] = beta·C + A[M,K]·B[K,N]. A tile of C of MR ≤ 14 rows × 32 columns lives in

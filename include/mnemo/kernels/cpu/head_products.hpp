@@ -404,4 +404,23 @@ private:
     }
 };
 
+/// The per-head products for the extents E: with d_head a compile-time width (E.d_head) for a static
+/// config, with the runtime width dk of a runtime-shape model otherwise (the same routes and sums).
+/// Each takes dk first and passes the rest on to head_products.
+template <static_extents E>
+struct heads_for {
+#define MNEMO_HEADS_FOR(name, kernel)                                                              \
+    template <class... A>                                                                        \
+    static void name(index_t dk, A... a) {                                                       \
+        if constexpr (E.d_head != dynamic) head_products::template kernel<index_t(E.d_head)>(a...); \
+        else head_products::kernel(dk, a...);                                                    \
+    }
+    MNEMO_HEADS_FOR(gemm_nt, head_gemm_nt)
+    MNEMO_HEADS_FOR(gemm_nn, head_gemm_nn)
+    MNEMO_HEADS_FOR(gemm_tn, head_gemm_tn)
+    MNEMO_HEADS_FOR(dot_rows, heads_dot_rows)
+    MNEMO_HEADS_FOR(weighted_rows, heads_weighted_rows)
+#undef MNEMO_HEADS_FOR
+};
+
 }  // namespace mnemo::cpu_kernels

@@ -1,5 +1,5 @@
 #pragma once
-// Most-used compression's kernels (nn/compression_extra.hpp): the attention mass each memory slot
+// Most-used compression's kernels (nn/compression/most_used.hpp): the attention mass each memory slot
 // receives, summed over heads and queries, and the selection of each group's most used slot with
 // its backward.
 #include <cmath>

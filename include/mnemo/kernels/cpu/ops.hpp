@@ -14,6 +14,7 @@
 #include "layer_norm.hpp"
 #include "linear_layer.hpp"
 #include "most_used.hpp"
+#include "optimizer.hpp"
 #include "reconstruction.hpp"
 #include "relative_attention.hpp"
 #include "softmax.hpp"
@@ -36,6 +37,7 @@ struct ops<cpu> : cpu_kernels::gemm,
                   cpu_kernels::activation,
                   cpu_kernels::cross_entropy,
                   cpu_kernels::dropout,
-                  cpu_kernels::elementwise {};
+                  cpu_kernels::elementwise,
+                  cpu_kernels::optimizer {};
 
 }  // namespace mnemo

@@ -14,37 +14,18 @@
 
 namespace mnemo::cpu_kernels {
 
-namespace detail {
-/// The per-head products with d_head a compile-time width (E.d_head) or a runtime one (dk).
-template <static_extents E>
-struct heads_of {
-    template <class... A>
-    static void nt(index_t dk, A... a) {
-        if constexpr (E.d_head != dynamic) head_products::template head_gemm_nt<index_t(E.d_head)>(a...);
-        else head_products::head_gemm_nt(dk, a...);
-    }
-    template <class... A>
-    static void nn(index_t dk, A... a) {
-        if constexpr (E.d_head != dynamic) head_products::template head_gemm_nn<index_t(E.d_head)>(a...);
-        else head_products::head_gemm_nn(dk, a...);
-    }
-    template <class... A>
-    static void tn(index_t dk, A... a) {
-        if constexpr (E.d_head != dynamic) head_products::template head_gemm_tn<index_t(E.d_head)>(a...);
-        else head_products::head_gemm_tn(dk, a...);
-    }
-};
-}  // namespace detail
-
 struct reconstruction {
     /// diff[r, :] = a[r, :] − b[r, :] (0 on rows r with pad[r] != 0; pad null: none) and
-    /// sum[0] = Σ diff² over the other rows, in double, in row order (diff may be a's memory).
+    /// sum[0] = Σ diff² over the other rows, in double, in row order (diff may be a's memory);
+    /// sum[1] = the number of those rows.
     template <class T>
     static void squared_difference_rows(index_t rows, index_t d, const T* a, index_t lda, const T* b, index_t ldb,
                                         const std::uint8_t* pad, T* diff, index_t ldd, double* sum) {
         double s = 0;
+        index_t counted = 0;
         for (index_t r = 0; r < rows; ++r) {
             const bool skip = pad && pad[r];
+            counted += !skip;
             const T *ar = a + r * lda, *br = b + r * ldb;
             T* dr = diff + r * ldd;
             for (index_t i = 0; i < d; ++i) {
@@ -52,7 +33,8 @@ struct reconstruction {
                 if (!skip) s += double(dr[i]) * double(dr[i]);
             }
         }
-        *sum = s;
+        sum[0] = s;
+        sum[1] = double(counted);
     }
 
     /// Key masks [B, n] (1 = visible) from the padding m_pad [m_len·B] of the memory's slots: keep_m
@@ -107,14 +89,14 @@ struct reconstruction {
     static void plain_attention_forward(index_t batch, index_t heads, index_t d, index_t dk, index_t q_len, index_t n,
                                         T scale, const T* q, const T* k, const T* v, T* a, T* out,
                                         const std::uint8_t* keep, const std::uint8_t* any) {
-        using H = detail::heads_of<E>;
+        using H = heads_for<E>;
         const index_t ld = batch * d;
         parallel_range(batch * heads, true, [&](index_t begin, index_t end) {
             for (index_t bh = begin; bh < end; ++bh) {
                 const index_t b = bh / heads, hh = bh % heads;
                 const index_t off = b * d + hh * dk;
                 T* ab = a + (b * heads + hh) * q_len * n;
-                H::nt(dk, q_len, n, q + off, ld, k + off, ld, ab, n);
+                H::gemm_nt(dk, q_len, n, q + off, ld, k + off, ld, ab, n);
                 softmax_mask mask{};
                 if (keep && any[b]) {
                     mask.keep = keep + b * n;
@@ -122,7 +104,7 @@ struct reconstruction {
                 }
                 if (!mask.keep) softmax::softmax_contiguous(q_len, n, ab, scale);
                 else softmax::softmax_forward(q_len, n, ab, n, ab, n, scale, mask);
-                H::nn(dk, q_len, n, ab, n, v + off, ld, out + off, ld);
+                H::gemm_nn(dk, q_len, n, ab, n, v + off, ld, out + off, ld);
             }
         });
     }
@@ -133,17 +115,17 @@ struct reconstruction {
     static void plain_attention_backward(index_t batch, index_t heads, index_t d, index_t dk, index_t q_len,
                                          index_t n, T scale, const T* q, const T* v, const T* a, const T* d_out, T* da,
                                          T* dk_out, T* dv_out) {
-        using H = detail::heads_of<E>;
+        using H = heads_for<E>;
         const index_t ld = batch * d;
         parallel_range(batch * heads, true, [&](index_t begin, index_t end) {
             for (index_t bh = begin; bh < end; ++bh) {
                 const index_t b = bh / heads, hh = bh % heads;
                 const index_t off = b * d + hh * dk, a_off = (b * heads + hh) * q_len * n;
                 T* dab = da + a_off;
-                H::nt(dk, q_len, n, d_out + off, ld, v + off, ld, dab, n);            // dA
-                H::tn(dk, q_len, n, a + a_off, n, d_out + off, ld, dv_out + off, ld);  // dv
+                H::gemm_nt(dk, q_len, n, d_out + off, ld, v + off, ld, dab, n);            // dA
+                H::gemm_tn(dk, q_len, n, a + a_off, n, d_out + off, ld, dv_out + off, ld);  // dv
                 softmax::softmax_backward(q_len, n, a + a_off, n, dab, n, dab, n, scale);
-                H::tn(dk, q_len, n, dab, n, q + off, ld, dk_out + off, ld);  // dk
+                H::gemm_tn(dk, q_len, n, dab, n, q + off, ld, dk_out + off, ld);  // dk
             }
         });
     }

@@ -27,7 +27,8 @@ namespace detail {
 /// (a static config's), so the loops compile as they would inside the module.
 template <class T, static_extents E>
 class relative_attention_pass {
-    struct K : gemm, softmax, elementwise, head_products {};
+    struct K : gemm, softmax, elementwise {};
+    using heads = heads_for<E>;  // the per-head products at this head width
 
 public:
     explicit relative_attention_pass(const relative_attention_state<T>& state)
@@ -87,9 +88,9 @@ public:
         auto head = [&](index_t b, index_t h) {
             T* a = attn + (b * H + h) * q_len_ * k_len_;  // [Q, K]
             const index_t off = b * D + h * Dk, kv_off = c0 * ldkv + b * 2 * D + h * Dk;
-            head_gemm_nt(q_len_, k_len_ - c0, s.qu + off, ld, kv + kv_off, ldkv, a + c0, k_len_);
+            heads::gemm_nt(index_t(Dk), q_len_, k_len_ - c0, s.qu + off, ld, kv + kv_off, ldkv, a + c0, k_len_);
             finish_scores(b, h, a);
-            head_gemm_nn(q_len_, k_len_ - c0, a + c0, k_len_, kv + kv_off + D, ldkv, s.ctx + off, ld);
+            heads::gemm_nn(index_t(Dk), q_len_, k_len_ - c0, a + c0, k_len_, kv + kv_off + D, ldkv, s.ctx + off, ld);
         };
         if (one_query) {
             one_query_forward(s.q, s.qu, s.r_win, kv, pos, attn, s.ctx, finish_scores);
@@ -123,11 +124,11 @@ public:
             T* ds = d_scores + (b * H + h) * q_len_ * k_len_;
             const index_t off = b * D + h * Dk, k_off = c0 * ldkv + b * 2 * D + h * Dk, v_off = k_off + D;
             const index_t kc = k_len_ - c0;
-            head_gemm_nt(q_len_, kc, d_ctx + off, ld, kv + v_off, ldkv, ds + c0, k_len_);  // dA
-            head_gemm_tn(q_len_, kc, a + c0, k_len_, d_ctx + off, ld, dkv + v_off, ldkv);  // dv
+            heads::gemm_nt(index_t(Dk), q_len_, kc, d_ctx + off, ld, kv + v_off, ldkv, ds + c0, k_len_);  // dA
+            heads::gemm_tn(index_t(Dk), q_len_, kc, a + c0, k_len_, d_ctx + off, ld, dkv + v_off, ldkv);  // dv
             K::softmax_backward(q_len_, k_len_, a, k_len_, ds, k_len_, ds, k_len_, scale);  // d raw score
-            head_gemm_nn(q_len_, kc, ds + c0, k_len_, kv + k_off, ldkv, dqu + off, ld);  // d(q+u)
-            head_gemm_tn(q_len_, kc, ds + c0, k_len_, qu + off, ld, dkv + k_off, ldkv);  // dk
+            heads::gemm_nn(index_t(Dk), q_len_, kc, ds + c0, k_len_, kv + k_off, ldkv, dqu + off, ld);  // d(q+u)
+            heads::gemm_tn(index_t(Dk), q_len_, kc, ds + c0, k_len_, qu + off, ld, dkv + k_off, ldkv);  // dk
             // The positional scores' gradient lands on window column Q + j − i of row (i, b).
             T* ph = d_pos + h * qb * w;
             for (index_t i = 0; i < q_len_; ++i) {
@@ -157,7 +158,7 @@ public:
         for_each_head(qb * w * Dk, [&](index_t h) {
             const T* ph = d_pos + h * qb * w;
             T* col = cols + h * w;
-            head_gemm_nn(qb, w, ph, w, r_win + h * Dk, D, s.dq + h * Dk, D);
+            heads::gemm_nn(index_t(Dk), qb, w, ph, w, r_win + h * Dk, D, s.dq + h * Dk, D);
             K::gemm_tn(w, Dk, qb, ph, w, s.q + h * Dk, D, dr_win + h * Dk, D, T(1));
             for (index_t c = 0; c < w; ++c) col[c] = T(0);
             K::sum_rows_accumulate(qb, w, ph, w, col);
@@ -167,34 +168,6 @@ public:
 
 private:
     index_t window() const { return k_len_ + q_len_; }
-
-    // The per-head products (head_products.hpp): with d_head a compile-time width for a static config,
-    // with the runtime width of a runtime-shape model otherwise (the same routes and sums).
-    template <class... A>
-    void head_gemm_nt(A... a) const {
-        if constexpr (E.d_head != dynamic) K::template head_gemm_nt<index_t(E.d_head)>(a...);
-        else K::head_gemm_nt(index_t(Dk), a...);
-    }
-    template <class... A>
-    void head_gemm_nn(A... a) const {
-        if constexpr (E.d_head != dynamic) K::template head_gemm_nn<index_t(E.d_head)>(a...);
-        else K::head_gemm_nn(index_t(Dk), a...);
-    }
-    template <class... A>
-    void head_gemm_tn(A... a) const {
-        if constexpr (E.d_head != dynamic) K::template head_gemm_tn<index_t(E.d_head)>(a...);
-        else K::head_gemm_tn(index_t(Dk), a...);
-    }
-    template <class... A>
-    void heads_dot_rows(A... a) const {
-        if constexpr (E.d_head != dynamic) K::template heads_dot_rows<index_t(E.d_head)>(a...);
-        else K::heads_dot_rows(index_t(Dk), a...);
-    }
-    template <class... A>
-    void heads_weighted_rows(A... a) const {
-        if constexpr (E.d_head != dynamic) K::template heads_weighted_rows<index_t(E.d_head)>(a...);
-        else K::heads_weighted_rows(index_t(Dk), a...);
-    }
 
     /// The per-(batch, head) loops go to threads when they hold enough work: about 64K multiply-adds
     /// of scores (one generated token over a short memory stays on the calling thread, where an
@@ -231,8 +204,8 @@ private:
             for (index_t i = i0; i < i1; ++i) {
                 const index_t b = i / blocks, r0 = i % blocks * block;
                 // pos[h] [B, W]: row b of head h at h·B·W + b·W; attn [B, H, K]
-                heads_dot_rows(H, r0, std::min(r0 + block, w), q + b * D, r_win, D, pos + b * w, batch_ * w);
-                heads_dot_rows(H, r0, std::min(r0 + block, k_len_), qu + b * D, kv + b * 2 * D, ldkv,
+                heads::dot_rows(index_t(Dk), H, r0, std::min(r0 + block, w), q + b * D, r_win, D, pos + b * w, batch_ * w);
+                heads::dot_rows(index_t(Dk), H, r0, std::min(r0 + block, k_len_), qu + b * D, kv + b * 2 * D, ldkv,
                                attn + b * H * k_len_, k_len_);
             }
         });
@@ -241,7 +214,7 @@ private:
                 const index_t b = i / H, h0 = i % H, h1 = std::min<index_t>(H, h0 + (i1 - i));
                 T* a = attn + b * H * k_len_;
                 for (index_t h = h0; h < h1; ++h) finish_scores(b, h, a + h * k_len_);
-                heads_weighted_rows(h0, h1, k_len_, a, k_len_, kv + b * 2 * D + D, ldkv, ctx + b * D);
+                heads::weighted_rows(index_t(Dk), h0, h1, k_len_, a, k_len_, kv + b * 2 * D + D, ldkv, ctx + b * D);
                 i += h1 - h0;
             }
         });

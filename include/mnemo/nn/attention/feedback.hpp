@@ -30,11 +30,11 @@
 #include <string>
 #include <type_traits>
 
-#include "../core/buffer.hpp"
-#include "../core/config.hpp"
-#include "../core/rng.hpp"
-#include "../kernels/feedback_attention_state.hpp"
-#include "linear.hpp"
+#include "../../core/buffer.hpp"
+#include "../../core/config.hpp"
+#include "../../core/rng.hpp"
+#include "../../kernels/feedback_attention_state.hpp"
+#include "../linear.hpp"
 
 namespace mnemo {
 

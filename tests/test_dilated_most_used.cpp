@@ -1,4 +1,4 @@
-// The compression functions of nn/compression_extra.hpp:
+// The compression functions of nn/compression/dilated_conv.hpp and most_used.hpp:
 //   dilated_conv_compression: forward against a plain-loop reference of stacked Conv1d(kernel 2,
 //     stride 2) with ReLU between, over mem.permute(1, 2, 0); finite-difference checks in double of
 //     every parameter and the memory; accumulation into pre-filled gradients; names and shapes; golden
@@ -17,7 +17,7 @@
 #include <vector>
 
 #include <mnemo/mnemo.hpp>
-#include <mnemo/nn/compression_extra.hpp>
+#include <mnemo/nn/compression.hpp>
 
 #include "allocation_counter.hpp"
 #include "gradcheck.hpp"

@@ -61,11 +61,11 @@
 #include <utility>
 #include <vector>
 
-#include "../core/buffer.hpp"
-#include "../core/config.hpp"
-#include "../core/rng.hpp"
-#include "../kernels/relative_attention_state.hpp"
-#include "linear.hpp"
+#include "../../core/buffer.hpp"
+#include "../../core/config.hpp"
+#include "../../core/rng.hpp"
+#include "../../kernels/relative_attention_state.hpp"
+#include "../linear.hpp"
 
 namespace mnemo {
 
@@ -152,8 +152,8 @@ public:
     /// Distances above clamp_len use the row of clamp_len (see the top of the file); <= 0: off.
     void set_clamp_len(index_t clamp_len) { clamp_len_ = clamp_len > 0 ? clamp_len : 0; }
     index_t clamp_len() const { return clamp_len_; }
-    /// Key padding flags [K·B] (key-row order, nonzero = padding) for the following forward calls,
-    /// read at each forward (the pointer must stay valid until then); null: no padding.
+    /// Key padding flags [K·B] (key-row order, nonzero = padding; in Backend's memory) for the following
+    /// forward calls, read at each forward (the pointer must stay valid until then); null: no padding.
     void set_key_padding(const std::uint8_t* pad) { key_pad_ = pad; }
 
     /// How the memory's keys and values enter the attention (see the top of the file); automatic by default.
@@ -219,16 +219,13 @@ public:
         kernels::copy(qb, D, q.data(), D, qu.data(), D);
         kernels::add_bias_rows(qb, D, u_.value(), qu.data(), D);  // q + u, u [heads·d_k] broadcast over rows
 
+        // The visibility of the keys under padding (kept for backward).
+        if (key_pad_) kernels::key_padding_keep(batch_, k_len_, key_pad_, keep_.ensure(batch_ * k_len_), keep_any_.ensure(batch_));
         // The attention core (kernels: positional window GEMMs, scores, masks, softmax, context).
         relative_attention_state<T> st = core_state(q.data(), qu.data(), kv, absorb);
         st.pos = pos_.ensure(H * qb * w);
         st.attn = attn_.ensure(batch_ * H * q_len_ * k_len_);
         st.ctx = ctx.data();
-        if (key_pad_) {
-            st.keep = keep_.ensure(batch_ * k_len_);
-            st.keep_any = keep_any_.ensure(batch_);
-            kernels::key_padding_keep(batch_, k_len_, key_pad_, keep_.data(), keep_any_.data());
-        }
         if (absorb) {
             const index_t hq = H * q_len_;
             st.z = zkv.data();
@@ -485,8 +482,7 @@ private:
         kernels::add_bias_rows(rows, D, value_.bias().value(), kv + D, 2 * D);
     }
 
-    /// [dW_k; dW_v] += dkvᵀ·z, db_v += Σ rows dv; dz = dkv·[W_k; W_v] (skipped when dz is null). The
-    /// parameters' pointers are read first, on this thread (reading them may settle deferred decay).
+    /// [dW_k; dW_v] += dkvᵀ·z, db_v += Σ rows dv; dz = dkv·[W_k; W_v] (skipped when dz is null).
     void project_kv_backward(index_t rows, const T* z, index_t ldz, const T* dkv, T* dz, index_t lddz) const {
         const T *wk = key_.weight().value(), *wv = value_.weight().value();
         T *gk = key_.weight().grad(), *gv = value_.weight().grad(), *gbv = value_.bias().grad();

@@ -4,7 +4,7 @@
 // model hold no `compress.*` tensors, as the reference's Transformer-XL; calling it is an error.
 #include <string>
 
-#include "module.hpp"
+#include "common.hpp"
 
 namespace mnemo {
 
