@@ -481,11 +481,12 @@ TEST_CASE("compressive transformer: training over the recorded rows is bitwise t
 
 namespace {
 
-// Cold blocks and live ranges over many steps: a decoupled-decay optimizer over a set whose tables only
-// get gradient in a window that moves now and then (onto rows that have only decayed so far), the
-// values read through value_rows() of the window (what the attention reads), value() of one table or
-// values(); compared bit for bit with the same steps on raw buffers, every element dense. A rate that
-// changes every step makes every step's decay factor differ.
+// Deferred weight decay (parameters.hpp), with the cold blocks and live ranges: many steps of a
+// decoupled-decay optimizer over a set whose tables only get gradient in a window that moves now and
+// then (onto rows that owe many factors), the window paid (pay_rows) and read through value_rows()
+// as the attention does, at a few steps one whole table downloaded or values() read; compared bit for
+// bit with the same steps on raw buffers, which decay every element eagerly. More steps than the log
+// holds (its pay-off), and a rate that changes every step (the factors differ).
 template <class T, class Opt, class Options>
 void check_sparse_steps_bitwise(Options options) {
     model_like<T> sparse(true);
@@ -493,7 +494,7 @@ void check_sparse_steps_bitwise(Options options) {
     const mnemo::parameter_set<T>& cs = sparse.ps;
     std::vector<T> raw_values(cs.values(), cs.values() + n);
     Opt opt(n, options), opt_raw(n, options);
-    const int steps = 160;
+    const int steps = int(mnemo::parameter_set<T>::max_deferred) + 40;
     for (int step = 0; step < steps; ++step) {
         INFO("step " << step);
         const index_t lo = P - 30 - 17 * ((step / 50) % 4), hi = lo + 24;  // moves every 50 steps
@@ -505,14 +506,18 @@ void check_sparse_steps_bitwise(Options options) {
         opt_raw.step(raw_values.data(), raw_grads.data(), n, lr);
         for (const auto& p : sparse.tables) {  // the window, as forward reads it
             const index_t row = p.entry().row_size(), at = p.entry().offset + lo * row;
+            p.pay_rows(lo, hi);
             CHECK(same_bits(p.value_rows(lo, hi), raw_values.data() + at, (hi - lo) * row));
         }
-        if (step % 97 == 50) {  // one whole table, and later everything
+        if (step % 97 == 50) {  // one whole table over the host path, and later everything
             const auto& p = sparse.tables[std::size_t(step % 2)];
-            CHECK(same_bits(p.value(), raw_values.data() + p.entry().offset, p.size()));
+            std::vector<T> host(std::size_t(p.size()));
+            p.download(host);
+            CHECK(same_bits(host.data(), raw_values.data() + p.entry().offset, p.size()));
         }
         if (step == steps / 2 || step == steps - 1) {
             CHECK(same_bits(cs.values(), raw_values.data(), n));
+            CHECK_FALSE(cs.decay_owed());
         }
     }
     CHECK(same_bits(opt.exp_avg().data(), opt_raw.exp_avg().data(), n));
@@ -521,13 +526,13 @@ void check_sparse_steps_bitwise(Options options) {
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("adamw, labml_adam: steps over a moving window of rows give bitwise the dense values", T,
+TEST_CASE_TEMPLATE("adamw, labml_adam: deferred decay of the rows without gradient gives bitwise the eager values", T,
                    float, double) {
     check_sparse_steps_bitwise<T, mnemo::adamw<T>>(mnemo::adamw_options{.lr = 1e-2, .weight_decay = 0.1});
     check_sparse_steps_bitwise<T, mnemo::labml_adam<T>>(mnemo::labml_adam_options{.lr = 1e-2, .weight_decay = 0.05});
 }
 
-TEST_CASE("optimizers: a step over a set counts as a change to its values") {
+TEST_CASE("deferred decay: a step leaves the rows without gradient owing, and paying them settles") {
     model_like<float> sparse(true);
     const index_t P = model_like<float>::P;
     mnemo::adamw<float> opt(sparse.ps.size(), {.lr = 1e-2, .weight_decay = 0.1});
@@ -535,5 +540,14 @@ TEST_CASE("optimizers: a step over a set counts as a change to its values") {
     sparse.ps.zero_grad();
     sparse.backward(1, P - 8, P + 8);
     opt.step(sparse.ps);
-    CHECK(sparse.ps.version() != version);
+    CHECK(sparse.ps.version() != version);  // a step is a change, deferred or not
+    CHECK(sparse.ps.decay_owed());
+    sparse.tables[0].pay_rows(P - 8, P + 8);
+    CHECK(sparse.ps.decay_owed());  // the window only
+    std::vector<float> host;
+    for (const auto& p : sparse.tables) {
+        host.resize(std::size_t(p.size()));
+        p.download(host);  // the host path pays what it copies
+    }
+    CHECK_FALSE(sparse.ps.decay_owed());
 }

@@ -23,7 +23,18 @@
 // code reaches the numbers only through the host path (upload, download, on a param or the whole set),
 // which initialisation and checkpoints use. On the CPU backend (the default) the pointers are host
 // memory and the host path is a copy.
-
+//
+// Deferred weight decay. AdamW's decoupled decay multiplies every parameter by (1 − lr·wd) at every
+// step, those without gradient too; for the positional tables' rows outside the window (A: 6.3M of
+// 7.5M parameters) that is 50 MB of memory traffic a step for rows nothing reads. The set therefore
+// keeps a log of decay factors and, per block of adam_cold_block elements inside a row-sparse tensor,
+// the first factor the block has not had (deferred_decay, kernels/optimizer_state.hpp). A decoupled
+// optimizer's step over the set logs its factor (log_decay), and its kernel leaves such a block alone
+// when it would only decay it. Whoever reads values pays first, through the kernel
+// pay_deferred_decay: the attention modules the window of the tables they read (pay_rows), the set's
+// host path (values(), download, upload) what it copies. The accessors value(), value_rows() and
+// grad() only compute pointers. Paying does not change version(): the values are the ones the steps
+// defined, bitwise.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -34,6 +45,8 @@
 #include <utility>
 #include <vector>
 
+#include "../kernels/cpu/deferred_decay.hpp"
+#include "../kernels/optimizer_state.hpp"
 #include "buffer.hpp"
 #include "error.hpp"
 #include "shape.hpp"
@@ -67,8 +80,15 @@ public:
 
     /// The tensor's values.
     T* value() const { return set_->value_ptr(index_); }
-    /// The values of rows [lo, hi) (slices along the first dimension), as a pointer to row lo.
+    /// The values of rows [lo, hi) (slices along the first dimension), as a pointer to row lo. A
+    /// row-sparse tensor's rows may owe deferred decay: pay_rows(lo, hi) first.
     T* value_rows(index_t lo, index_t hi) const { return set_->value_rows_ptr(index_, lo, hi); }
+    /// Pays rows [lo, hi) their deferred weight decay (see parameters.hpp), through the backend's
+    /// kernel; a no-op for a dense tensor. Call it before a kernel reads those rows.
+    void pay_rows(index_t lo, index_t hi) const {
+        const tensor_entry& e = entry();
+        if (e.sparsity == grad_sparsity::rows) set_->pay(e.offset + lo * e.row_size(), e.offset + hi * e.row_size());
+    }
     /// The tensor's whole gradient. For a grad_sparsity::rows tensor this counts every row as touched
     /// until the next zero_grad() (whoever holds the pointer may write anywhere); its writer uses
     /// touch_grad_rows() instead.
@@ -140,6 +160,15 @@ public:
         MNEMO_CHECK(!allocated_, "parameter_set: allocate() called twice");
         memory::fill_zero(values_.ensure(total_), bytes(total_));
         memory::fill_zero(grads_.ensure(total_), bytes(total_));
+        // Deferred decay: a block may owe only if it lies inside one row-sparse tensor.
+        const index_t blocks = (total_ + adam_cold_block - 1) / adam_cold_block;
+        deferrable_.assign(std::size_t(blocks), 0);
+        for (const tensor_entry& e : entries_)
+            if (e.sparsity == grad_sparsity::rows)
+                for (index_t b = (e.offset + adam_cold_block - 1) / adam_cold_block; (b + 1) * adam_cold_block <= e.offset + e.size; ++b)
+                    deferrable_[std::size_t(b)] = 1;
+        owed_from_.assign(std::size_t(blocks), 0);
+        decay_log_.reserve(max_deferred);
         touched_.assign(entries_.size(), row_interval{});
         for (std::size_t i = 0; i < entries_.size(); ++i)
             if (entries_[i].sparsity == grad_sparsity::dense) touched_[i] = {0, entries_[i].rows()};
@@ -164,9 +193,13 @@ public:
     /// through param::value() instead and call mark_changed() yourself.
     T* values() {
         ++version_;
+        pay(0, total_);
         return checked(values_).data();
     }
-    const T* values() const { return checked(values_).data(); }
+    const T* values() const {
+        pay(0, total_);
+        return checked(values_).data();
+    }
     /// The whole gradient buffer, writable: every gradient counts as touched until the next zero_grad()
     /// (clipping and the optimizers then read all of it, and zero_grad() clears all of it).
     T* grads() {
@@ -267,11 +300,13 @@ public:
     /// change (version() moves on).
     void upload_values(index_t i, std::span<const T> host) {
         const tensor_entry& e = host_entry(i, host.size(), "upload");
+        pay(e.offset, e.offset + e.size);  // (the blocks it shares with neighbours owe too)
         memory::upload(value_ptr(i), host.data(), bytes(e.size));
         ++version_;
     }
     void download_values(index_t i, std::span<T> host) {
         const tensor_entry& e = host_entry(i, host.size(), "download");
+        pay(e.offset, e.offset + e.size);
         memory::download(host.data(), value_ptr(i), bytes(e.size));
     }
     /// Host path over the whole flat buffers (size() elements, alignment gaps included).
@@ -288,6 +323,43 @@ public:
         MNEMO_CHECK(index_t(host.size()) == total_, "parameter_set: download of ", total_, " gradients into ",
                     host.size());
         memory::download(host.data(), grads(), bytes(total_));
+    }
+
+    /// Factors the deferred-decay log holds before it is paid off.
+    static constexpr std::size_t max_deferred = 256;
+
+    /// The deferred decay's state, for kernels (the optimizers', pay_deferred_decay).
+    deferred_decay<T> deferral() const {
+        MNEMO_CHECK(allocated_, "parameter_set: allocate() must be called before parameters are used");
+        return {values_.data(), total_, decay_log_.data(), static_cast<std::uint32_t>(decay_log_.size()),
+                owed_from_.data(), deferrable_.data()};
+    }
+    /// For a decoupled optimizer's step over the set: logs the step's decay factor (a full log is paid
+    /// off and emptied first) and returns the state with it counted. Serial code only. The step
+    /// changes the values: version() moves on.
+    deferred_decay<T> log_decay(T factor) {
+        if (decay_log_.size() == max_deferred) {
+            pay(0, total_);
+            decay_log_.clear();
+            std::fill(owed_from_.begin(), owed_from_.end(), 0u);
+        }
+        decay_log_.push_back(factor);
+        ++version_;
+        return deferral();
+    }
+    /// Pays the elements [begin, end) their deferred decay (the backend's kernel pay_deferred_decay).
+    void pay(index_t begin, index_t end) const {
+        if (decay_log_.empty()) return;
+        if constexpr (std::is_same_v<Backend, cpu>)
+            cpu_kernels::deferred_decay_payment::pay_deferred_decay(deferral(), begin, end);
+        else
+            ops<Backend>::pay_deferred_decay(deferral(), begin, end);
+    }
+    /// Whether some block owes deferred decay.
+    bool decay_owed() const {
+        for (std::size_t b = 0; b < owed_from_.size(); ++b)
+            if (deferrable_[b] && owed_from_[b] < decay_log_.size()) return true;
+        return false;
     }
 
     /// Tensor i's whole gradient; a row-sparse tensor counts as touched in every row (see param::grad()).
@@ -347,7 +419,10 @@ private:
     index_t total_ = 0;
     bool allocated_ = false;
     std::uint64_t version_ = 0;
-    buffer<T, Backend> values_;
+    mutable buffer<T, Backend> values_;  // mutable: reading pays the deferred decay (the same values)
+    std::vector<T> decay_log_;                          // the deferred steps' factors, oldest first
+    mutable std::vector<std::uint32_t> owed_from_;      // per block: the first logged factor it has not had
+    std::vector<std::uint8_t> deferrable_;              // per block: inside one row-sparse tensor
     buffer<T, Backend> grads_;
     std::vector<row_interval> touched_;  // per tensor: the rows whose gradient may be non-zero
     bool all_touched_ = false;           // grads() handed out: the whole buffer may be non-zero

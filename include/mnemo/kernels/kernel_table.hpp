@@ -31,7 +31,8 @@
 //   element-wise  add_bias_rows, sum_rows_accumulate, add, copy, scale, gather_rows, scatter_add_rows,
 //                 scale_shift_rows, sum_as_double, axpy, weighted_sum_rows
 //   optimizers    adam_step (templated on the adam_rule), adam_cold_blocks, sgd_step,
-//                 sum_squares_live, scale_live (kernels/optimizer_state.hpp; the global gradient norm)
+//                 sum_squares_live, scale_live (kernels/optimizer_state.hpp; the global gradient norm),
+//                 pay_deferred_decay (the deferred weight decay of rows nothing read)
 #include "../core/backend.hpp"
 
 #define MNEMO_KERNELS(X)                                                                                     \
@@ -52,7 +53,7 @@
     X(dropout_forward) X(dropout_backward)                                                                  \
     X(add_bias_rows) X(sum_rows_accumulate) X(add) X(copy) X(scale) X(gather_rows) X(scatter_add_rows)   \
     X(scale_shift_rows) X(sum_as_double) X(axpy) X(weighted_sum_rows)                                      \
-    X(adam_step) X(adam_cold_blocks) X(sgd_step) X(sum_squares_live) X(scale_live)
+    X(adam_step) X(adam_cold_blocks) X(sgd_step) X(sum_squares_live) X(scale_live) X(pay_deferred_decay)
 
 namespace mnemo {
 namespace detail::kernel_probe {

@@ -31,6 +31,22 @@ struct adam_coefficients {
     T neg_step_size = T(0);
 };
 
+/// Deferred weight decay (core/parameters.hpp): the decoupled decay of the blocks that a step only
+/// decays, logged instead of applied. Block b (adam_cold_block elements) of a deferrable run (inside one
+/// row-sparse tensor: the positional tables) owes the factors log[owed_from[b] … logged); paying
+/// multiplies its elements by each, in the logged order, which is bitwise what the eager steps compute.
+/// values is the set's flat buffer (backend memory); log, owed_from and deferrable are host metadata
+/// that the parameter_set keeps. A kernel given a null `deferrable` defers nothing.
+template <class T>
+struct deferred_decay {
+    T* values = nullptr;
+    index_t total = 0;                          // elements of values
+    const T* log = nullptr;                     // the logged factors, oldest first
+    std::uint32_t logged = 0;
+    std::uint32_t* owed_from = nullptr;         // per block: the first logged factor it has not had
+    const std::uint8_t* deferrable = nullptr;   // per block: 1 = may owe (inside one row-sparse tensor)
+};
+
 /// One Adam-family step over n elements of params, grads, m (exp_avg) and v (exp_avg_sq).
 /// cold (decoupled rules only; null for adam): one flag per block of adam_cold_block elements, set while
 /// the block's moments are exactly zero. A cold block whose gradient is zero gets only the decay
@@ -46,6 +62,10 @@ struct adam_step_args {
     std::uint8_t* cold = nullptr;
     std::span<const flat_range> live;
     adam_coefficients<T> c;
+    /// With a deferral (decoupled rules over a parameter_set, its `logged` counting this step's factor
+    /// c.decay), a cold deferrable block with zero gradient is left owing that factor, and every block
+    /// that is updated or decayed is paid what it owed first.
+    const deferred_decay<T>* deferral = nullptr;
 };
 
 /// One step of SGD over n elements; b is the momentum buffer (null when momentum == 0).

@@ -143,6 +143,10 @@ public:
     void step(parameter_set<T, Backend>& set) { step(set, self().options().lr); }
     void step(parameter_set<T, Backend>& set, double lr) {
         const parameter_set<T, Backend>& cset = set;
+        if constexpr (requires { Derived::defers_decay; }) {  // adamw, labml_adam: see parameters.hpp
+            self().take(nullptr, cset.grads(), set.size(), lr, cset.grad_live_ranges(), &set);
+            return;
+        }
         T* values = set.values();
         if constexpr (requires(Derived& d, T* p, const T* g, std::span<const flat_range> live) { d.step(p, g, index_t(0), 0.0, live); })
             self().step(values, cset.grads(), set.size(), lr, cset.grad_live_ranges());
@@ -211,8 +215,15 @@ protected:
     // One step of rule R at the coefficients c (t is already counted). The decoupled rules skip cold
     // blocks (kernels/optimizer_state.hpp); adam's L2 term reads every parameter, so it has none.
     template <adam_rule R>
-    void run(T* params, const T* grads, std::span<const flat_range> live, const adam_coefficients<T>& c) {
+    void run(T* params, const T* grads, std::span<const flat_range> live, const adam_coefficients<T>& c,
+             parameter_set<T, Backend>* deferring = nullptr) {
         adam_step_args<T> a;
+        deferred_decay<T> d;
+        if (deferring) {  // after the checks: a rejected step logs no factor
+            d = deferring->log_decay(c.decay);
+            params = d.values;
+            a.deferral = &d;
+        }
         a.params = params;
         a.grads = grads;
         a.m = m_.data();
@@ -284,7 +295,18 @@ public:
     /// parameter_set::grad_live_ranges() reports; step(set) passes it): bitwise the same result,
     /// without reading the gradient of blocks that never had any.
     void step(T* params, const T* grads, index_t n, double lr, std::span<const flat_range> live) {
-        detail::optim::check_step(params, grads, n, this->n_, lr, "adamw");
+        take(params, grads, n, lr, live, nullptr);
+    }
+
+private:
+    friend class detail::optim::step_overloads<adamw<T, Backend>, T, Backend>;
+    // step(set) defers the decay of the blocks that get no gradient (parameters.hpp).
+    static constexpr bool defers_decay = true;
+
+    // With `set`, params is null: the step runs over the set's values, deferring (see run()).
+    void take(T* params, const T* grads, index_t n, double lr, std::span<const flat_range> live,
+              parameter_set<T, Backend>* set) {
+        detail::optim::check_step(set ? grads : params, grads, n, this->n_, lr, "adamw");
         this->check_live(live);
         const std::int64_t t = ++this->step_;
         const double bias_correction1 = 1.0 - std::pow(o_.beta1, static_cast<double>(t));
@@ -293,10 +315,9 @@ public:
         c.decay = static_cast<T>(1.0 - detail::optim::product(lr, o_.weight_decay));
         c.bias_correction2_sqrt = static_cast<T>(std::sqrt(bias_correction2));
         c.neg_step_size = static_cast<T>(-(lr / bias_correction1));
-        this->template run<adam_rule::adamw>(params, grads, live, c);
+        this->template run<adam_rule::adamw>(params, grads, live, c, set);
     }
 
-private:
     adamw_options o_;
 };
 
@@ -458,7 +479,18 @@ public:
     /// parameter_set::grad_live_ranges() reports; step(set) passes it): bitwise the same result,
     /// without reading the gradient of blocks that never had any.
     void step(T* params, const T* grads, index_t n, double lr_t, std::span<const flat_range> live) {
-        detail::optim::check_step(params, grads, n, this->n_, lr_t, "labml_adam");
+        take(params, grads, n, lr_t, live, nullptr);
+    }
+
+private:
+    friend class detail::optim::step_overloads<labml_adam<T, Backend>, T, Backend>;
+    // step(set) defers the decay of the blocks that get no gradient (parameters.hpp).
+    static constexpr bool defers_decay = true;
+
+    // With `set`, params is null: the step runs over the set's values, deferring (see run()).
+    void take(T* params, const T* grads, index_t n, double lr_t, std::span<const flat_range> live,
+              parameter_set<T, Backend>* set) {
+        detail::optim::check_step(set ? grads : params, grads, n, this->n_, lr_t, "labml_adam");
         this->check_live(live);
         const std::int64_t t = ++this->step_;
         const double bias_correction1 = 1.0 - std::pow(o_.beta1, static_cast<double>(t));
@@ -467,10 +499,9 @@ public:
         c.decay = static_cast<T>(1.0 - detail::optim::product(o_.lr, o_.weight_decay));
         // step_size = lr * math.sqrt(bias_correction2) / bias_correction1, in that order.
         c.neg_step_size = static_cast<T>(-(lr_t * std::sqrt(bias_correction2) / bias_correction1));
-        this->template run<adam_rule::labml>(params, grads, live, c);
+        this->template run<adam_rule::labml>(params, grads, live, c, set);
     }
 
-private:
     labml_adam_options o_;
 };
 

@@ -29,6 +29,7 @@
 
 #include "../../core/shape.hpp"
 #include "../optimizer_state.hpp"
+#include "deferred_decay.hpp"
 #include "parallel.hpp"
 
 #if !defined(MNEMO_HAS_FAST_FMA)
@@ -179,7 +180,7 @@ void decay_only(T* params, index_t i_begin, index_t i_end, T decay) {
 
 namespace cpu_kernels {
 
-struct optimizer {
+struct optimizer : deferred_decay_payment {
     /// One Adam-family step (kernels/optimizer_state.hpp). With cold flags (decoupled rules), by blocks
     /// of adam_cold_block elements: a cold block whose gradient is all zero gets only the decay, which
     /// for such an element is exactly Adam's update (m and v stay 0 and the step term is ±0 / ε); every
@@ -214,10 +215,15 @@ struct optimizer {
                         zero = all_zero(a.grads + lo, hi - lo);
                     }
                     if (zero) {
+                        if (a.deferral && a.deferral->deferrable && a.deferral->deferrable[b]) continue;  // owes it
                         decay_only(a.params, i0, i1, a.c.decay);
                         continue;
                     }
                     a.cold[b] = 0;
+                }
+                if (a.deferral) {  // what it owed from before this step; the update applies this step's factor
+                    deferred_decay_payment::pay_block(*a.deferral, b, a.deferral->logged - 1);
+                    if (a.deferral->deferrable && a.deferral->deferrable[b]) a.deferral->owed_from[b] = a.deferral->logged;
                 }
                 update(i0, i1);
             }

@@ -195,6 +195,8 @@ private:
         st.qu = qu;
         st.keys = keys;
         st.values = values;
+        r_.pay_rows(n_pos_ - t, n_pos_);  // (deferred decay: parameters.hpp)
+        s_.pay_rows(n_pos_ - t, n_pos_);
         st.r_win = r_.value_rows(n_pos_ - t, n_pos_);  // R[P − t + j] for j = 0 … t − 1
         st.s_win = s_.value_rows(n_pos_ - t, n_pos_);
         return st;

@@ -388,6 +388,8 @@ private:
         st.qu = qu;
         st.kv = kv;
         const index_t w = window();
+        r_.pay_rows(n_pos_ - k_len_, n_pos_ - k_len_ + w);  // (deferred decay: parameters.hpp)
+        s_.pay_rows(n_pos_ - k_len_, n_pos_ - k_len_ + w);
         st.r_win = r_.value_rows(n_pos_ - k_len_, n_pos_ - k_len_ + w);
         st.s_win = s_.value_rows(n_pos_ - k_len_, n_pos_ - k_len_ + w);
         st.keep = key_pad_ ? keep_.data() : nullptr;
