@@ -17,6 +17,7 @@
 #include <mnemo/io/safetensors.hpp>
 
 #include "allocation_counter.hpp"
+#include "fenced_backend.hpp"
 #include "gradcheck.hpp"
 
 using mnemo::index_t;
@@ -310,8 +311,19 @@ TEST_CASE("feedback_transformer: a sequence longer than n_pos + 1 steps is a cle
 
 namespace {
 
+// n elements of backend B's memory at p, on the host.
+template <class B, class T>
+std::vector<T> host(const T* p, index_t n) {
+    std::vector<T> h(static_cast<std::size_t>(n));
+    if (n > 0) mnemo::device_memory<B>::download(h.data(), p, sizeof(T) * h.size());
+    return h;
+}
+
+// Every number is read and written over the host path, so that the double runs repeat over the fenced
+// backend (tests/fenced_backend.hpp).
 template <class T, class Model>
 void check_golden(const std::string& name, tolerance tol, tolerance tol_after, bool resync = false) {
+    using Backend = typename Model::backend_type;
     const auto f = mnemo::read_safetensors(std::string(MNEMO_TEST_DATA_DIR) + "/golden/" + name + ".safetensors");
     const index_t B = meta_int(f, "batch"), Q = meta_int(f, "seq_len"), n_steps = meta_int(f, "n_steps");
     Model model({.vocab = meta_int(f, "vocab"), .n_layers = meta_int(f, "n_layers"), .d_ff = meta_int(f, "d_ff"),
@@ -321,19 +333,21 @@ void check_golden(const std::string& name, tolerance tol, tolerance tol_after, b
     REQUIRE(f.metadata().at("variant") == Model::kv_variant::name);
     auto& ps = model.parameters();
     index_t n_tensors = 0;
+    std::vector<T> values(std::size_t(ps.size()), T(0)), grads(values.size());
     for (const auto& e : ps.entries()) {
-        f.copy_to("init." + e.name, ps.values() + e.offset, std::size_t(e.size));
+        f.copy_to("init." + e.name, values.data() + e.offset, std::size_t(e.size));
         ++n_tensors;
     }
+    ps.upload_all_values(values);
     // Every tensor of the reference is a parameter of the model (same names, no more, no fewer).
     index_t ref_tensors = 0;
     for (const auto& t : f.tensors()) ref_tensors += t.name.starts_with("init.");
     CHECK(ref_tensors == n_tensors);
 
     const bool adamw = f.metadata().at("optimizer") == "adamw";
-    mnemo::adamw<T> opt_adamw(ps.size(),
+    mnemo::adamw<T, Backend> opt_adamw(ps.size(),
                               {.lr = meta_double(f, "lr"), .weight_decay = adamw ? meta_double(f, "weight_decay") : 0.0});
-    mnemo::labml_adam<T> opt_noam(ps.size(), {.lr = meta_double(f, "lr"), .beta1 = 0.9, .beta2 = 0.98, .eps = 1e-8});
+    mnemo::labml_adam<T, Backend> opt_noam(ps.size(), {.lr = meta_double(f, "lr"), .beta1 = 0.9, .beta2 = 0.98, .eps = 1e-8});
     const mnemo::noam_schedule noam(meta_double(f, "lr"), meta_int(f, "d_model"),
                                     adamw ? 1 : meta_int(f, "warmup"));
     const double clip = meta_double(f, "clip");
@@ -347,26 +361,30 @@ void check_golden(const std::string& name, tolerance tol, tolerance tol_after, b
         ps.zero_grad();
         const double loss = model.train_segment(tokens, targets, B);
         const auto logits = f.to_vector<double>(step + "logits");
-        check_close(step + "logits", model.logits().data(), logits.data(), index_t(logits.size()), tol.atol, tol.rtol);
+        check_close(step + "logits", host<Backend>(model.logits().data(), index_t(logits.size())).data(), logits.data(),
+                    index_t(logits.size()), tol.atol, tol.rtol);
         const double ref_loss = f.to_vector<double>(step + "loss").at(0);
         check_close(step + "loss", &loss, &ref_loss, 1, tol.atol, tol.rtol);
+        ps.download_all_grads(grads);
         for (const auto& e : ps.entries()) {
             const auto g = f.to_vector<double>(step + "grad." + e.name);
-            check_close(step + "grad." + e.name, ps.grads() + e.offset, g.data(), e.size, tol.atol, tol.rtol);
+            check_close(step + "grad." + e.name, grads.data() + e.offset, g.data(), e.size, tol.atol, tol.rtol);
         }
         const double norm = mnemo::clip_grad_norm(ps, clip), ref_norm = f.to_vector<double>(step + "grad_norm").at(0);
         check_close(step + "grad_norm", &norm, &ref_norm, 1, tol.atol, tol.rtol);
         if (adamw) opt_adamw.step(ps);
         else opt_noam.step(ps, noam);
+        ps.download_all_values(values);
         for (const auto& e : ps.entries()) {
             const auto w = f.to_vector<double>(step + "after." + e.name);
-            check_close(step + "after." + e.name, ps.values() + e.offset, w.data(), e.size, tol_after.atol,
+            check_close(step + "after." + e.name, values.data() + e.offset, w.data(), e.size, tol_after.atol,
                         tol_after.rtol);
             // float32: continue from the reference's weights, so that each step is checked on its own. A Noam
             // step of lr_t ≈ 0.05 turns float32 rounding in tiny gradients into weight differences of ~1e-4,
             // which the next step's logits would carry (the float64 run keeps its own weights throughout).
-            if (resync) f.copy_to(step + "after." + e.name, ps.values() + e.offset, std::size_t(e.size));
+            if (resync) f.copy_to(step + "after." + e.name, values.data() + e.offset, std::size_t(e.size));
         }
+        if (resync) ps.upload_all_values(values);
     }
 }
 
@@ -381,6 +399,10 @@ TEST_CASE("golden: feedback_tiny (original variant, AdamW, clipping) matches the
         check_golden<float, mnemo::feedback_transformer<float, mnemo::config<16, 2>>>("feedback_tiny", golden_fp32,
                                                                                       golden_fp32_after);
     }
+    SUBCASE("double, fenced backend") {
+        check_golden<double, mnemo::feedback_transformer<double, mnemo::config<16, 2>, mnemo::per_layer_kv, mnemo::fenced>>(
+            "feedback_tiny", golden_fp64, golden_fp64);
+    }
 }
 
 TEST_CASE("golden: feedback_kv_tiny (shared keys/values, labml Noam) matches the PyTorch reference") {
@@ -391,6 +413,10 @@ TEST_CASE("golden: feedback_kv_tiny (shared keys/values, labml Noam) matches the
     SUBCASE("float") {
         check_golden<float, mnemo::feedback_transformer_kv<float, mnemo::config<16, 2>>>(
             "feedback_kv_tiny", golden_fp32, golden_fp32_after, true);
+    }
+    SUBCASE("double, fenced backend") {
+        check_golden<double, mnemo::feedback_transformer_kv<double, mnemo::config<16, 2>, mnemo::fenced>>(
+            "feedback_kv_tiny", golden_fp64, golden_fp64);
     }
 }
 

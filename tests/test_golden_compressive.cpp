@@ -2,7 +2,9 @@
 // training run over consecutive segments with memory, compression, truncation of the compressed
 // memory and gradient clipping in play. Every segment compares the logits, both losses, every
 // parameter gradient, the memories after the merge, the clipped norm and the weights after AdamW.
-// mnemo in double must agree to ~1e-10; in float to float32 precision.
+// mnemo in double must agree to ~1e-10; in float to float32 precision. The double runs are repeated over
+// the fenced backend (tests/fenced_backend.hpp: memory only kernels may touch), every number read over
+// the host path.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -14,6 +16,7 @@
 #include <mnemo/train/optimizer.hpp>
 #include <mnemo/io/safetensors.hpp>
 
+#include "fenced_backend.hpp"
 #include "testing.hpp"
 
 using mnemo::index_t;
@@ -28,8 +31,17 @@ using mnemo::testing::tolerance;
 
 namespace {
 
+// n elements of backend B's memory at p, on the host.
+template <class B, class T>
+std::vector<T> host(const T* p, index_t n) {
+    std::vector<T> h(static_cast<std::size_t>(n));
+    if (n > 0) mnemo::device_memory<B>::download(h.data(), p, sizeof(T) * h.size());
+    return h;
+}
+
 template <class T, class Model>
 void check_golden(const std::string& name, tolerance tol, tolerance tol_after) {
+    using Backend = typename Model::backend_type;
     const auto f = mnemo::read_safetensors(std::string(MNEMO_TEST_DATA_DIR) + "/golden/" + name + ".safetensors");
     const index_t B = meta_int(f, "batch"), Q = meta_int(f, "seq_len"), n_seg = meta_int(f, "n_segments");
     Model model({.vocab = meta_int(f, "vocab"), .n_layers = meta_int(f, "n_layers"), .d_ff = meta_int(f, "d_ff"),
@@ -37,8 +49,12 @@ void check_golden(const std::string& name, tolerance tol, tolerance tol_after) {
     REQUIRE(index_t(Model::config::d_model) == meta_int(f, "d_model"));
     REQUIRE(index_t(Model::config::heads) == meta_int(f, "heads"));
     auto& ps = model.parameters();
-    for (const auto& e : ps.entries()) f.copy_to("init." + e.name, ps.values() + e.offset, std::size_t(e.size));
-    mnemo::adamw<T> opt(ps.size(), {.lr = meta_double(f, "lr"), .weight_decay = meta_double(f, "weight_decay")});
+    {
+        std::vector<T> init(std::size_t(ps.size()), T(0));
+        for (const auto& e : ps.entries()) f.copy_to("init." + e.name, init.data() + e.offset, std::size_t(e.size));
+        ps.upload_all_values(init);
+    }
+    mnemo::adamw<T, Backend> opt(ps.size(), {.lr = meta_double(f, "lr"), .weight_decay = meta_double(f, "weight_decay")});
     const double clip = meta_double(f, "clip");
     auto mem = model.make_memory(meta_int(f, "mem_len"), meta_int(f, "c_mem_len"));
     mem.reset(B, Q);
@@ -53,7 +69,8 @@ void check_golden(const std::string& name, tolerance tol, tolerance tol_after) {
         const auto losses = model.train_segment(tokens, targets, B, mem);
 
         const auto logits = f.to_vector<double>(seg + "logits");
-        check_close(seg + "logits", model.logits().data(), logits.data(), index_t(logits.size()), tol.atol, tol.rtol);
+        const auto got_logits = host<Backend>(model.logits().data(), index_t(logits.size()));
+        check_close(seg + "logits", got_logits.data(), logits.data(), index_t(logits.size()), tol.atol, tol.rtol);
         const double ce = f.to_vector<double>(seg + "ce_loss").at(0), ar = f.to_vector<double>(seg + "ar_loss").at(0);
         check_close(seg + "ce_loss", &losses.ce, &ce, 1, tol.atol, tol.rtol);
         check_close(seg + "ar_loss", &losses.ar, &ar, 1, tol.atol, tol.rtol);
@@ -68,19 +85,22 @@ void check_golden(const std::string& name, tolerance tol, tolerance tol_after) {
                 }
                 const auto ref = f.to_vector<double>(key);
                 REQUIRE_MESSAGE(v.size() == index_t(ref.size()), key);
-                check_close(key, v.data(), ref.data(), v.size(), tol.atol, tol.rtol);
+                check_close(key, host<Backend>(v.data(), v.size()).data(), ref.data(), v.size(), tol.atol, tol.rtol);
             }
         }
+        std::vector<T> grads(std::size_t(ps.size())), values(grads.size());
+        ps.download_all_grads(grads);
         for (const auto& e : ps.entries()) {
             const auto g = f.to_vector<double>(seg + "grad." + e.name);
-            check_close(seg + "grad." + e.name, ps.grads() + e.offset, g.data(), e.size, tol.atol, tol.rtol);
+            check_close(seg + "grad." + e.name, grads.data() + e.offset, g.data(), e.size, tol.atol, tol.rtol);
         }
         const double norm = mnemo::clip_grad_norm(ps, clip), ref_norm = f.to_vector<double>(seg + "grad_norm").at(0);
         check_close(seg + "grad_norm", &norm, &ref_norm, 1, tol.atol, tol.rtol);
         opt.step(ps);
+        ps.download_all_values(values);
         for (const auto& e : ps.entries()) {
             const auto w = f.to_vector<double>(seg + "after." + e.name);
-            check_close(seg + "after." + e.name, ps.values() + e.offset, w.data(), e.size, tol_after.atol,
+            check_close(seg + "after." + e.name, values.data() + e.offset, w.data(), e.size, tol_after.atol,
                         tol_after.rtol);
         }
     }
@@ -95,6 +115,10 @@ void both(const std::string& name) {
     SUBCASE("float") {
         check_golden<float, mnemo::compressive_transformer<float, mnemo::config<D, H, C>, F>>(name, golden_fp32,
                                                                                                golden_fp32_after);
+    }
+    SUBCASE("double, fenced backend") {
+        check_golden<double, mnemo::compressive_transformer<double, mnemo::config<D, H, C>, F, mnemo::fenced>>(
+            name, golden_fp64, golden_fp64);
     }
 }
 
