@@ -184,8 +184,8 @@ struct device_memory<fenced> {
 /// Pointer arguments. A kernel of a device backend can only reach device memory, so every pointer a
 /// module hands a kernel must point into a fenced buffer (or be null): a host pointer (a token array,
 /// a host vector of flags) would read on the CPU and fail on a GPU. check_pointer_args names the
-/// kernel and the argument and aborts. The arguments that are structs of pointers (the attention
-/// kernels' states) are not looked into.
+/// kernel and the argument (and, inside an argument struct, the field) and aborts. The argument
+/// structs are looked into field by field (pointer_fields below); spans are host metadata.
 namespace fence {
 inline bool fenced_or_null(const void* p) {
     if (!p) return true;
@@ -195,19 +195,74 @@ inline bool fenced_or_null(const void* p) {
         if (r.bytes && at >= r.begin && at <= r.begin + r.bytes) return true;
     return false;
 }
+inline void check_pointer(const char* kernel, int i, const char* field, const void* p) {
+    if (fenced_or_null(p)) return;
+    write_str("fenced backend: kernel '");
+    write_str(kernel);
+    write_str("' was given a host pointer as argument ");
+    write_num(std::size_t(i));
+    if (field) {
+        write_str(", field ");
+        write_str(field);
+    }
+    write_str(" (a backend's kernels reach only its own memory); called from:\n");
+    void* frames[48];
+    backtrace_symbols_fd(frames, backtrace(frames, 48), 2);
+    std::abort();
+}
+
+/// f(name, pointer) for every pointer field of the kernels' argument structs (the memory a kernel
+/// reaches through them; deferred_decay's log and counters are host metadata, its values are not).
+#define MNEMO_FIELD(x) f(#x, static_cast<const void*>(a.x))
+template <class T, class F>
+void pointer_fields(const frozen_key_rows<T>& a, F&& f) {
+    MNEMO_FIELD(zhat), MNEMO_FIELD(gamma), MNEMO_FIELD(beta), MNEMO_FIELD(dgamma), MNEMO_FIELD(dbeta);
+}
+template <class T, class F>
+void pointer_fields(const relative_attention_state<T>& a, F&& f) {
+    MNEMO_FIELD(q), MNEMO_FIELD(qu), MNEMO_FIELD(kv), MNEMO_FIELD(r_win), MNEMO_FIELD(s_win), MNEMO_FIELD(keep),
+        MNEMO_FIELD(keep_any), MNEMO_FIELD(z), MNEMO_FIELD(wk), MNEMO_FIELD(wv), MNEMO_FIELD(bv), MNEMO_FIELD(pos),
+        MNEMO_FIELD(attn), MNEMO_FIELD(ctx), MNEMO_FIELD(q_absorbed), MNEMO_FIELD(mem_mix), MNEMO_FIELD(mem_mix_hat),
+        MNEMO_FIELD(row_mass), MNEMO_FIELD(thread_blocks), MNEMO_FIELD(d_ctx), MNEMO_FIELD(d_scores), MNEMO_FIELD(dqu),
+        MNEMO_FIELD(dq), MNEMO_FIELD(dkv), MNEMO_FIELD(dr_win), MNEMO_FIELD(ds_win), MNEMO_FIELD(col_sums),
+        MNEMO_FIELD(gk), MNEMO_FIELD(gv), MNEMO_FIELD(gbv), MNEMO_FIELD(d_mem_mix), MNEMO_FIELD(d_q_absorbed),
+        MNEMO_FIELD(d_bias_score), MNEMO_FIELD(dz_blocks), MNEMO_FIELD(norm_partial), MNEMO_FIELD(d_zkv);
+    pointer_fields(a.hat, f);
+    pointer_fields(a.frozen, f);
+}
+template <class T, class F>
+void pointer_fields(const feedback_attention_state<T>& a, F&& f) {
+    MNEMO_FIELD(q), MNEMO_FIELD(qu), MNEMO_FIELD(keys.data), MNEMO_FIELD(values.data), MNEMO_FIELD(r_win),
+        MNEMO_FIELD(s_win), MNEMO_FIELD(attn), MNEMO_FIELD(ctx), MNEMO_FIELD(saved_attn), MNEMO_FIELD(d_ctx),
+        MNEMO_FIELD(d_scores), MNEMO_FIELD(d_qu), MNEMO_FIELD(d_q), MNEMO_FIELD(d_keys.data), MNEMO_FIELD(d_values.data),
+        MNEMO_FIELD(dr_win), MNEMO_FIELD(ds_win);
+}
+template <class T, class F>
+void pointer_fields(const memory_slots<T>& a, F&& f) {
+    MNEMO_FIELD(data);
+}
+template <class T, class F>
+void pointer_fields(const adam_step_args<T>& a, F&& f) {
+    MNEMO_FIELD(params), MNEMO_FIELD(grads), MNEMO_FIELD(m), MNEMO_FIELD(v), MNEMO_FIELD(cold);
+    if (a.deferral) MNEMO_FIELD(deferral->values);
+}
+template <class T, class F>
+void pointer_fields(const sgd_step_args<T>& a, F&& f) {
+    MNEMO_FIELD(params), MNEMO_FIELD(grads), MNEMO_FIELD(b);
+}
+template <class T, class F>
+void pointer_fields(const deferred_decay<T>& a, F&& f) {
+    MNEMO_FIELD(values);
+}
+#undef MNEMO_FIELD
+
 template <class A>
 void check_pointer_arg(const char* kernel, int i, const A& a) {
-    if constexpr (std::is_pointer_v<std::remove_cvref_t<A>>) {
-        if (!fenced_or_null(static_cast<const void*>(a))) {
-            write_str("fenced backend: kernel '");
-            write_str(kernel);
-            write_str("' was given a host pointer as argument ");
-            write_num(std::size_t(i));
-            write_str(" (a backend's kernels reach only its own memory); called from:\n");
-            void* frames[48];
-            backtrace_symbols_fd(frames, backtrace(frames, 48), 2);
-            std::abort();
-        }
+    using U = std::remove_cvref_t<A>;
+    if constexpr (std::is_pointer_v<U>) {
+        check_pointer(kernel, i, nullptr, static_cast<const void*>(a));
+    } else if constexpr (requires { pointer_fields(a, [](const char*, const void*) {}); }) {
+        pointer_fields(a, [&](const char* field, const void* p) { check_pointer(kernel, i, field, p); });
     }
 }
 template <class... A>

@@ -78,6 +78,29 @@ TEST_CASE("fenced backend: a host access to a fenced buffer kills the process an
     CHECK(err.find("at byte 12 outside any kernel") != std::string::npos);
 }
 
+TEST_CASE("fenced backend: a host pointer given to a kernel, directly or inside an argument struct, aborts naming it") {
+    auto [status, err] = in_child([] {
+        std::vector<float> host(16, 1.0f);
+        buffer<float, fenced> y;
+        ops<fenced>::scale(1, 16, host.data(), 16, 2.0f, y.ensure(16), 16);  // argument 2: host memory
+    });
+    CHECK(WIFSIGNALED(status));
+    CHECK(WTERMSIG(status) == SIGABRT);
+    CHECK(err.find("kernel 'scale' was given a host pointer as argument 2") != std::string::npos);
+
+    auto [status2, err2] = in_child([] {
+        std::vector<float> host(2048, 1.0f);
+        const float log[1] = {0.5f};
+        std::uint32_t owed[2] = {0, 0};
+        const std::uint8_t deferrable[2] = {1, 1};
+        ops<fenced>::pay_deferred_decay(deferred_decay<float>{host.data(), 2048, log, 1, owed, deferrable}, 0, 2048);
+    });
+    CHECK(WIFSIGNALED(status2));
+    CHECK(WTERMSIG(status2) == SIGABRT);
+    CHECK(err2.find("kernel 'pay_deferred_decay' was given a host pointer as argument 0, field values") !=
+          std::string::npos);
+}
+
 TEST_CASE("fenced backend: kernels and the host path reach fenced buffers; the fence closes after them") {
     const std::size_t regions_before = fence::live_regions();
     {
