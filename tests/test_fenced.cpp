@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "fenced_backend.hpp"
+#include "gradcheck.hpp"
 #include "testing.hpp"
 
 #include <mnemo/mnemo.hpp>
@@ -793,4 +794,65 @@ TEST_CASE("fenced backend: the trainer (steps, checkpoint save and restore, vali
         check_trainer<compressive_of<most_used_compression>>();
     }
     SUBCASE("Feedback Transformer") { check_trainer<feedback_of>(); }
+}
+
+// Finite differences over the fenced backend (tests/gradcheck.hpp perturbs each parameter on a host copy
+// and uploads it): the models' gradients, computed by kernels only, against central differences, at 8
+// elements of each tensor (every kernel call opens and closes the fence, which makes a full sweep slow).
+TEST_CASE("fenced backend: the compressive transformer's CE and reconstruction gradients match finite differences") {
+    using model_f = compressive_transformer<double, config<8, 2, 2>, conv_compression, fenced>;
+    const index_t B = 2, Q = 3, vocab = 7;
+    model_f model({.vocab = vocab, .n_layers = 2, .d_ff = 6, .n_pos = 16});
+    testing::randomize_model(model.parameters(), 11);
+    auto mem = model.make_memory(/*mem_len=*/3, /*c_mem_len=*/2);
+    mem.reset(B, Q);
+    for (int s = 0; s < 2; ++s) {  // fill the memory and compress
+        const auto t = testing::random_tokens(Q * B, vocab, 20 + std::uint64_t(s));
+        model.forward(t, B, mem);
+        model.update_memory(mem);
+    }
+    REQUIRE(mem.mem_slots() > 0);
+    REQUIRE(mem.c_mem_slots() > 0);
+    const auto tokens = testing::random_tokens(Q * B, vocab, 30), targets = testing::random_tokens(Q * B, vocab, 31);
+    auto& ps = model.parameters();
+    SUBCASE("cross-entropy of a segment reading both memories") {
+        const auto loss = [&] {
+            model.forward(tokens, B, mem);
+            return model.cross_entropy(targets, false);
+        };
+        ps.zero_grad();
+        model.forward(tokens, B, mem);
+        model.cross_entropy(targets, true);
+        model.backward(tokens);
+        auto t = testing::parameter_targets(ps);
+        std::erase_if(t, [](const auto& x) { return x.name.find("compress") != std::string::npos; });
+        testing::check_gradients(loss, t, 1e-6, 1e-6, /*sample=*/8);
+    }
+    SUBCASE("attention reconstruction: the compression function's gradient") {
+        model.forward(tokens, B, mem);
+        REQUIRE(model.update_memory(mem) > 0);
+        ps.zero_grad();
+        CHECK(model.reconstruction_loss(mem, true) > 0);
+        auto t = testing::parameter_targets(ps);
+        std::erase_if(t, [](const auto& x) { return x.name.find(".compress.") == std::string::npos; });
+        REQUIRE(t.size() == 4);
+        testing::check_gradients([&] { return model.reconstruction_loss(mem, false); }, t, 1e-6, 1e-6, /*sample=*/8);
+    }
+}
+
+TEST_CASE("fenced backend: the Feedback Transformer's gradient matches finite differences") {
+    using model_f = feedback_transformer<double, config<8, 2>, shared_kv, fenced>;
+    const index_t B = 2, T = 4, vocab = 7;
+    model_f model({.vocab = vocab, .n_layers = 2, .d_ff = 6, .n_pos = 8});
+    auto& ps = model.parameters();
+    testing::randomize_model(ps, 11);
+    auto tokens = testing::random_tokens(T * B, vocab, 30), targets = testing::random_tokens(T * B, vocab, 31);
+    targets[3] = -1;  // an ignored position
+    const auto loss = [&] {
+        model.forward(tokens, B);
+        return model.cross_entropy(targets, false);
+    };
+    ps.zero_grad();
+    model.train_segment(tokens, targets, B);
+    testing::check_gradients(loss, testing::parameter_targets(ps), 1e-6, 1e-6, /*sample=*/8);
 }
