@@ -24,6 +24,7 @@ using mnemo::index_t;
 using mnemo::token_t;
 using mnemo::view;
 using mnemo::testing::check_close;
+using mnemo::testing::to_host;
 using mnemo::testing::check_gradients;
 using mnemo::testing::golden_fp32;
 using mnemo::testing::golden_fp32_after;
@@ -311,14 +312,6 @@ TEST_CASE("feedback_transformer: a sequence longer than n_pos + 1 steps is a cle
 
 namespace {
 
-// n elements of backend B's memory at p, on the host.
-template <class B, class T>
-std::vector<T> host(const T* p, index_t n) {
-    std::vector<T> h(static_cast<std::size_t>(n));
-    if (n > 0) mnemo::device_memory<B>::download(h.data(), p, sizeof(T) * h.size());
-    return h;
-}
-
 // Every number is read and written over the host path, so that the double runs repeat over the fenced
 // backend (tests/fenced_backend.hpp).
 template <class T, class Model>
@@ -361,7 +354,7 @@ void check_golden(const std::string& name, tolerance tol, tolerance tol_after, b
         ps.zero_grad();
         const double loss = model.train_segment(tokens, targets, B);
         const auto logits = f.to_vector<double>(step + "logits");
-        check_close(step + "logits", host<Backend>(model.logits().data(), index_t(logits.size())).data(), logits.data(),
+        check_close(step + "logits", to_host<Backend>(model.logits().data(), index_t(logits.size())).data(), logits.data(),
                     index_t(logits.size()), tol.atol, tol.rtol);
         const double ref_loss = f.to_vector<double>(step + "loss").at(0);
         check_close(step + "loss", &loss, &ref_loss, 1, tol.atol, tol.rtol);

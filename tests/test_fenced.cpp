@@ -53,9 +53,7 @@ std::pair<int, std::string> in_child(F&& f) {
 
 template <class T, class B>
 std::vector<T> download(const buffer<T, B>& b, index_t n) {
-    std::vector<T> host(static_cast<std::size_t>(n));
-    device_memory<B>::download(host.data(), b.data(), sizeof(T) * host.size());
-    return host;
+    return testing::to_host<B>(b.data(), n);
 }
 template <class T, class B>
 void upload(buffer<T, B>& b, const std::vector<T>& host) {

@@ -22,6 +22,7 @@
 using mnemo::index_t;
 using mnemo::token_t;
 using mnemo::testing::check_close;
+using mnemo::testing::to_host;
 using mnemo::testing::golden_fp32;
 using mnemo::testing::golden_fp32_after;
 using mnemo::testing::golden_fp64;
@@ -30,14 +31,6 @@ using mnemo::testing::meta_int;
 using mnemo::testing::tolerance;
 
 namespace {
-
-// n elements of backend B's memory at p, on the host.
-template <class B, class T>
-std::vector<T> host(const T* p, index_t n) {
-    std::vector<T> h(static_cast<std::size_t>(n));
-    if (n > 0) mnemo::device_memory<B>::download(h.data(), p, sizeof(T) * h.size());
-    return h;
-}
 
 template <class T, class Model>
 void check_golden(const std::string& name, tolerance tol, tolerance tol_after) {
@@ -69,7 +62,7 @@ void check_golden(const std::string& name, tolerance tol, tolerance tol_after) {
         const auto losses = model.train_segment(tokens, targets, B, mem);
 
         const auto logits = f.to_vector<double>(seg + "logits");
-        const auto got_logits = host<Backend>(model.logits().data(), index_t(logits.size()));
+        const auto got_logits = to_host<Backend>(model.logits().data(), index_t(logits.size()));
         check_close(seg + "logits", got_logits.data(), logits.data(), index_t(logits.size()), tol.atol, tol.rtol);
         const double ce = f.to_vector<double>(seg + "ce_loss").at(0), ar = f.to_vector<double>(seg + "ar_loss").at(0);
         check_close(seg + "ce_loss", &losses.ce, &ce, 1, tol.atol, tol.rtol);
@@ -85,7 +78,7 @@ void check_golden(const std::string& name, tolerance tol, tolerance tol_after) {
                 }
                 const auto ref = f.to_vector<double>(key);
                 REQUIRE_MESSAGE(v.size() == index_t(ref.size()), key);
-                check_close(key, host<Backend>(v.data(), v.size()).data(), ref.data(), v.size(), tol.atol, tol.rtol);
+                check_close(key, to_host<Backend>(v.data(), v.size()).data(), ref.data(), v.size(), tol.atol, tol.rtol);
             }
         }
         std::vector<T> grads(std::size_t(ps.size())), values(grads.size());

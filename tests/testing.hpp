@@ -15,6 +15,7 @@
 #include <system_error>
 #include <vector>
 
+#include <mnemo/core/backend.hpp>
 #include <mnemo/core/rng.hpp>
 #include <mnemo/core/shape.hpp>
 
@@ -56,6 +57,14 @@ std::vector<T> random_vector(index_t n, std::uint64_t seed, double lo = -1.0, do
 }
 
 /// n token ids uniform in [0, vocab).
+/// n elements of backend B's memory at p, copied to the host (device_memory<B>'s host path).
+template <class B, class T>
+std::vector<T> to_host(const T* p, index_t n) {
+    std::vector<T> h(static_cast<std::size_t>(n));
+    if (n > 0) mnemo::device_memory<B>::download(h.data(), p, sizeof(T) * h.size());
+    return h;
+}
+
 inline std::vector<std::int32_t> random_tokens(index_t n, index_t vocab, std::uint64_t seed) {
     mnemo::rng r(seed);
     std::vector<std::int32_t> t(static_cast<std::size_t>(n));

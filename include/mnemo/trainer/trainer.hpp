@@ -342,8 +342,9 @@ public:
         if (o_.eval_mem_len < 0) o_.eval_mem_len = o_.mem_len;
         if (o_.eval_c_mem_len < 0) o_.eval_c_mem_len = o_.c_mem_len;
         if (comm_.size() > 1) {  // every rank starts from rank 0's parameters
-            MNEMO_CHECK((std::is_same_v<backend_type, cpu>), "trainer: several ranks train a model on the CPU backend "
-                        "only (the gradient exchange of backend ", backend_type::name, " is not implemented)");
+            MNEMO_CHECK((std::is_same_v<backend_type, cpu>), "trainer: several ranks need a model on the CPU backend: "
+                        "the gradient exchange (gradient_averager over the communicator) sums host memory, and this "
+                        "model's parameters are on backend ", backend_type::name);
             auto& ps = model_.parameters();
             std::vector<float> values(std::size_t(ps.size()));
             ps.download_all_values(values);
