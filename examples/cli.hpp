@@ -84,6 +84,7 @@ inline const flag_spec flag_table[] = {
     {"--stop-at", flag_kind::integer, g_optim, "N", "stop (validate, save) after step N of the --steps run; resume later to go on", 0, max_count},
     {"--seed", flag_kind::integer, g_optim, "N", "initialisation and recall data (1)", 0, max_count, "seed"},
     {"--threads", flag_kind::integer, g_optim, "N", "OpenMP threads (default: all cores)", 1, max_threads},
+    {"--device", flag_kind::text, g_optim, "cpu|cuda", "where the model runs (cpu); cuda: the GPU, in a build with the CUDA backend"},
     {"--eval-every", flag_kind::integer, g_eval, "N", "validation every N steps (text 500, recall 1000; 0: only at the end)", 0, max_count},
     {"--eval-segments", flag_kind::integer, g_eval, "N", "segments per stream of each periodic validation (text 100, 0: all; recall 128); the final validation reads the whole validation text (recall: N segments)", 0, max_count},
     {"--eval-mem-len", flag_kind::integer, g_eval, "N", "memory slots of validation (default --mem-len); not a parameter, so any length with c_mem + mem + seq_len <= n_pos", 0, max_extent},

@@ -10,6 +10,8 @@
 //              [--memory-layers L] [--reconstruction attention|autoencoding]
 //   mnemo_eval --model feedback|feedback-kv --checkpoint W.safetensors --tokens T.safetensors
 //              --out O.safetensors --seq-len N [--n-pos P]
+//   either form: [--device cpu|cuda] (cuda: the GPU, in a build with the CUDA backend; every shape
+//              then runs the runtime-shape model, see examples/model_zoo.hpp's with_model_on)
 //
 // The sizes come from the checkpoint's shapes (labml's state_dict names):
 //   vocab, d_model   src_embed.weight [vocab, D]
@@ -86,6 +88,7 @@ struct options {
     // The variants as given on the command line (resolved against the checkpoint in resolve_variants).
     std::optional<std::string> residual, norm, memory_layers, reconstruction;
     index_t clamp_len = 0;  // 0: off
+    ex::device_kind device = ex::device_kind::cpu;
 };
 
 // The compressive / XL model's variants, resolved.
@@ -108,7 +111,7 @@ index_t parse_integer(const std::string& s, const std::string& what) {
 options parse(int argc, char** argv) {
     static constexpr const char* flags[] = {"--model", "--checkpoint", "--tokens", "--out", "--seq-len", "--mem-len",
                                             "--c-mem-len", "--compression", "--rate", "--n-pos", "--clamp-len",
-                                            "--residual", "--norm", "--memory-layers", "--reconstruction"};
+                                            "--residual", "--norm", "--memory-layers", "--reconstruction", "--device"};
     ex::command_line cl;
     const std::map<std::string, std::string> help = {
         {"--checkpoint", "weights (safetensors); the sizes are read from the tensor shapes"},
@@ -169,6 +172,8 @@ options parse(int argc, char** argv) {
     if (given.count("--rate")) o.rate = parse_integer(given["--rate"], "--rate");
     if (given.count("--n-pos")) o.n_pos = parse_integer(given["--n-pos"], "--n-pos");
     if (given.count("--clamp-len")) o.clamp_len = parse_integer(given["--clamp-len"], "--clamp-len");
+    if (given.count("--device")) o.device = ex::parse_device_kind(given["--device"]);
+    ex::check_device(o.device);  // before the checkpoint is read
     if (o.clamp_len < 0) fail("mnemo_eval: --clamp-len must be >= 0 (0: off), got ", o.clamp_len);
     if (o.seq_len < 1) fail("mnemo_eval: --seq-len must be at least 1, got ", o.seq_len);
     if (o.mem_len < 0) fail("mnemo_eval: --mem-len must be >= 0, got ", o.mem_len);
@@ -489,6 +494,7 @@ eval_result evaluate(const options& o, const model_sizes& sz, const variants& va
     r.ce.resize(std::size_t(n_segments));
     r.ar.resize(std::size_t(n_segments));
     std::vector<token_t> inputs(std::size_t(N * B)), targets(std::size_t(N * B));  // [N·B] sequence-major
+    std::vector<float> logits_host;  // a segment's logits, copied from the model's backend
     const index_t report_every = std::max<index_t>(1, n_segments / 10);
     const auto t0 = std::chrono::steady_clock::now();
     for (index_t s = 0; s < n_segments; ++s) {
@@ -502,10 +508,13 @@ eval_result evaluate(const options& o, const model_sizes& sz, const variants& va
         mnemo::segment_losses losses;
         if constexpr (feedback) losses.ce = model.eval_segment(inputs, targets, B);  // from an empty memory
         else losses = model.eval_segment(inputs, targets, B, memory);
-        const auto logits = model.logits();  // [N·B, V]
+        const auto logits = model.logits();  // [N·B, V], rows ld() apart, in the model's backend memory
+        logits_host.resize(std::size_t(logits.rows() * logits.ld()));
+        mnemo::device_memory<typename Model::backend_type>::download(
+            logits_host.data(), logits.data(), sizeof(float) * std::size_t((logits.rows() - 1) * logits.ld() + V));
         for (index_t q = 0; q < N; ++q)
             for (index_t b = 0; b < B; ++b) {
-                const float* src = logits.row(q * B + b);
+                const float* src = logits_host.data() + (q * B + b) * logits.ld();
                 std::copy(src, src + V, r.logits.begin() + ((s * B + b) * N + q) * V);
             }
         r.ce[std::size_t(s)] = float(losses.ce);
@@ -540,7 +549,7 @@ int main(int argc, char** argv) try {
     // without a compression function, so it only needs d_model and heads to be compiled in.
     const ex::model_kind kind = feedback ? o.model : compresses ? ex::model_kind::compressive : ex::model_kind::xl;
     // An unsupported configuration fails here, before the tokens are read, listing what is compiled in.
-    ex::with_model(sz.d_model, sz.heads, rate.value_or(1), kind, var.compression, []<class>() {});
+    ex::with_model_on(o.device, sz.d_model, sz.heads, rate.value_or(1), kind, var.compression, []<class>() {});
 
     const token_matrix tok = read_tokens(o.tokens, sz.vocab);
     const index_t n_segments = (tok.length - 1) / o.seq_len;
@@ -554,8 +563,8 @@ int main(int argc, char** argv) try {
     else check_positions(o, rate.value_or(1), sz.n_pos, n_segments);
 
     const eval_result r =
-        ex::with_model(sz.d_model, sz.heads, rate.value_or(1), kind, var.compression,
-                       [&]<class Model>() { return evaluate<Model>(o, sz, var, ckpt, tok, n_segments); });
+        ex::with_model_on(o.device, sz.d_model, sz.heads, rate.value_or(1), kind, var.compression,
+                          [&]<class Model>() { return evaluate<Model>(o, sz, var, ckpt, tok, n_segments); });
 
     const index_t S = n_segments, B = tok.batch, N = o.seq_len, V = sz.vocab;
     mnemo::safetensors_writer(o.out)

@@ -30,6 +30,9 @@
 
 #include <mnemo/models/compressive_transformer.hpp>
 #include <mnemo/models/feedback_transformer.hpp>
+#ifdef MNEMO_WITH_CUDA
+#include <mnemo/cuda.hpp>
+#endif
 
 // X(d_model, heads, compression rate)
 #define MNEMO_EXAMPLE_CONFIGS(X) \
@@ -207,14 +210,16 @@ constexpr bool has_extra_compression() {
     return false;
 }
 
-/// Why a shape runs the runtime-shape model (with_runtime_shape's note says it).
+/// Why a shape runs the runtime-shape model (with_runtime_shape's note says it; on_gpu: every shape
+/// does, see with_model_on, and no note is printed).
 enum class runtime_shape_reason {
     not_compiled_in,    // no line of MNEMO_EXAMPLE_CONFIGS
     extra_compression,  // a line of it, but dilated / most-used are compiled for fewer
-    forced              // MNEMO_FORCE_DYNAMIC
+    forced,             // MNEMO_FORCE_DYNAMIC
+    on_gpu              // --device cuda
 };
 
-template <class F>
+template <class Backend = cpu, class F>
 decltype(auto) with_runtime_shape(index_t d_model, index_t heads, index_t rate, model_kind kind, compression_kind comp,
                                   F&& f, runtime_shape_reason why);
 
@@ -270,9 +275,10 @@ inline bool& runtime_shape_noted() {
 }
 
 /// with_model's fallback: f.template operator()<Model>() with the runtime-shape model of `kind` and
-/// `comp` (one instantiation each, whatever the shape), after checking the shape; says once per
-/// program, on stderr, that this shape runs the generic kernels, and why (which shapes are compiled in).
-template <class F>
+/// `comp` over Backend (one instantiation each, whatever the shape), after checking the shape; on the
+/// CPU, says once per program, on stderr, that this shape runs the generic kernels, and why (which
+/// shapes are compiled in).
+template <class Backend, class F>
 decltype(auto) with_runtime_shape(index_t d_model, index_t heads, index_t rate, model_kind kind, compression_kind comp,
                                   F&& f, runtime_shape_reason why) {
     const bool compresses = kind == model_kind::compressive;
@@ -284,7 +290,7 @@ decltype(auto) with_runtime_shape(index_t d_model, index_t heads, index_t rate, 
     if (compresses && comp == compression_kind::dilated && (rate < 2 || (rate & (rate - 1)) != 0))
         detail::fail("--compression dilated needs a compression rate that is a power of two >= 2, got ", rate);
     const model_shape shape{d_model, heads, compresses ? rate : 1};
-    if (!runtime_shape_noted()) {
+    if (why != runtime_shape_reason::on_gpu && !runtime_shape_noted()) {
         runtime_shape_noted() = true;
         std::string what = "d_model " + std::to_string(d_model) + ", heads " + std::to_string(heads);
         if (compresses) what += ", compression rate " + std::to_string(rate);
@@ -312,23 +318,23 @@ decltype(auto) with_runtime_shape(index_t d_model, index_t heads, index_t rate, 
     using dyn = runtime_config;
     auto run = [&]<class Base>() { return f.template operator()<runtime_shape_model<Base>>(); };
     switch (kind) {
-        case model_kind::xl: return run.template operator()<compressive_transformer<float, dyn, no_compression>>();
-        case model_kind::feedback: return run.template operator()<feedback_transformer<float, dyn, per_layer_kv>>();
-        case model_kind::feedback_kv: return run.template operator()<feedback_transformer<float, dyn, shared_kv>>();
+        case model_kind::xl: return run.template operator()<compressive_transformer<float, dyn, no_compression, Backend>>();
+        case model_kind::feedback: return run.template operator()<feedback_transformer<float, dyn, per_layer_kv, Backend>>();
+        case model_kind::feedback_kv: return run.template operator()<feedback_transformer<float, dyn, shared_kv, Backend>>();
         case model_kind::compressive: break;
     }
     switch (comp) {
         case compression_kind::conv:
-            return run.template operator()<compressive_transformer<float, dyn, conv_compression>>();
+            return run.template operator()<compressive_transformer<float, dyn, conv_compression, Backend>>();
         case compression_kind::max:
-            return run.template operator()<compressive_transformer<float, dyn, max_pool_compression>>();
+            return run.template operator()<compressive_transformer<float, dyn, max_pool_compression, Backend>>();
         case compression_kind::mean:
-            return run.template operator()<compressive_transformer<float, dyn, mean_pool_compression>>();
+            return run.template operator()<compressive_transformer<float, dyn, mean_pool_compression, Backend>>();
         case compression_kind::dilated:
-            return run.template operator()<compressive_transformer<float, dyn, dilated_conv_compression>>();
+            return run.template operator()<compressive_transformer<float, dyn, dilated_conv_compression, Backend>>();
         case compression_kind::most_used: break;
     }
-    return run.template operator()<compressive_transformer<float, dyn, most_used_compression>>();
+    return run.template operator()<compressive_transformer<float, dyn, most_used_compression, Backend>>();
 }
 
 /// Calls f.template operator()<Model>() with the model type for (d_model, heads, rate, kind,
@@ -363,6 +369,51 @@ decltype(auto) with_model(index_t d_model, index_t heads, index_t rate, model_ki
     MNEMO_EXAMPLE_CONFIGS(MNEMO_DISPATCH_CONFIG)
 #undef MNEMO_DISPATCH_CONFIG
     return with_runtime_shape(d_model, heads, rate, kind, comp, f, runtime_shape_reason::not_compiled_in);
+}
+
+/// Where a program runs its model: --device cpu|cuda.
+enum class device_kind { cpu, cuda };
+
+inline device_kind parse_device_kind(const std::string& s) {
+    if (s == "cpu") return device_kind::cpu;
+    if (s == "cuda") return device_kind::cuda;
+    detail::fail("unknown --device '", s, "' (expected cpu or cuda)");
+}
+inline const char* name(device_kind d) { return d == device_kind::cpu ? "cpu" : "cuda"; }
+
+/// Whether this program was built with the CUDA backend (examples/CMakeLists.txt defines
+/// MNEMO_WITH_CUDA and links mnemo::cuda when it is built).
+inline constexpr bool built_with_cuda =
+#ifdef MNEMO_WITH_CUDA
+    true;
+#else
+    false;
+#endif
+
+/// Throws the one-line reason --device cuda cannot run here: a build without the CUDA backend, or
+/// no usable GPU (CUDA's own message).
+inline void check_device(device_kind d) {
+    if (d == device_kind::cpu) return;
+#ifdef MNEMO_WITH_CUDA
+    if (!cuda_runtime::available())
+        detail::fail("--device cuda: ", cuda_runtime::describe(), " (use --device cpu)");
+#else
+    detail::fail("--device cuda: this program was built without the CUDA backend (configure mnemo where nvcc is "
+                 "found, e.g. /usr/local/cuda/bin/nvcc, or with -DMNEMO_CUDA=ON)");
+#endif
+}
+
+/// with_model on `device`. On the GPU every shape runs the runtime-shape model over mnemo::cuda: the
+/// CUDA kernels take every extent at run time, so a compiled-in shape would gain nothing there.
+template <class F>
+decltype(auto) with_model_on(device_kind device, index_t d_model, index_t heads, index_t rate, model_kind kind,
+                             compression_kind comp, F&& f) {
+    check_device(device);
+#ifdef MNEMO_WITH_CUDA
+    if (device == device_kind::cuda)
+        return with_runtime_shape<mnemo::cuda>(d_model, heads, rate, kind, comp, f, runtime_shape_reason::on_gpu);
+#endif
+    return with_model(d_model, heads, rate, kind, comp, f);
 }
 
 }  // namespace mnemo::examples

@@ -45,6 +45,9 @@
 // resume, k steps equals 2k steps (tests/train_resume.cmake checks the files bytewise), with any
 // --threads. --export PATH writes the model file alone, at the end.
 //
+// --device cuda trains on the GPU (a build with the CUDA backend, docs/cuda.md): the same trainer and
+// checkpoints (a checkpoint written on one device resumes on the other), one process.
+//
 // Several processes (a build with MPI; docs/distributed.md): `mpirun -np N train ...` trains one model
 // with N ranks, each on an equal share of the --batch streams (mnemo/trainer/trainer.hpp). Every rank
 // reads the data file itself; rank 0 reads the checkpoint for --resume and sends it to the others, and
@@ -407,7 +410,7 @@ run_result train_model(const settings& s, const corpus& c, const mnemo::trainer_
 
 run_result run(const settings& s, const corpus& c, const mnemo::trainer_checkpoint_files* resume,
                mnemo::metrics_log& metrics, mnemo::communicator& comm) {
-    return ex::with_model(s.d_model, s.heads, s.rate, s.model, s.compression,
+    return ex::with_model_on(s.device, s.d_model, s.heads, s.rate, s.model, s.compression,
                           [&]<class Model>() { return train_model<Model>(s, c, resume, metrics, comm); });
 }
 
@@ -566,7 +569,10 @@ int train_main(int argc, char** argv, mnemo::communicator& comm) {
                                  : "training one model";
     std::printf("train: %s\n", mode);
     std::printf("data: %s\n", c.description.c_str());
-    std::printf("threads: %d", s.threads);
+    if (s.device == ex::device_kind::cpu) std::printf("threads: %d", s.threads);
+#ifdef MNEMO_WITH_CUDA
+    else std::printf("device: %s", mnemo::cuda_runtime::describe().c_str());
+#endif
     if (comm.size() > 1)
         std::printf(" per rank; processes: %s, %td streams each", comm.description().c_str(), s.batch / comm.size());
     std::printf("\n");

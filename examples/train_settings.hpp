@@ -48,7 +48,7 @@ constexpr const char* train_flags[] = {
     "--data", "--task", "--model", "--compression", "--residual", "--norm", "--memory-layers", "--reconstruction",
     "--d-model", "--heads", "--rate", "--d-ff", "--layers", "--n-pos", "--seq-len", "--mem-len", "--c-mem-len",
     "--batch", "--clamp-len", "--optimizer", "--lr", "--warmup", "--schedule", "--weight-decay", "--clip", "--steps",
-    "--stop-at", "--seed", "--threads", "--eval-every", "--eval-segments", "--eval-mem-len", "--eval-c-mem-len",
+    "--stop-at", "--seed", "--threads", "--device", "--eval-every", "--eval-segments", "--eval-mem-len", "--eval-c-mem-len",
     "--log-every", "--metrics", "--checkpoint", "--save-every", "--resume", "--export", "--save-config",
     "--sample-len", "--eval-sample", "--prompt", "--greedy", "--temperature", "--top-k", "--top-p"};
 
@@ -94,6 +94,7 @@ struct settings {
     std::optional<std::string> prompt;
     std::string checkpoint, resume, export_path, metrics, save_config;
     int threads = 1;
+    ex::device_kind device = ex::device_kind::cpu;
 };
 
 const char* task_name(task_kind t) { return t == task_kind::text ? "text" : "recall"; }
@@ -288,6 +289,8 @@ settings resolve_settings(const ex::command_line& cl, const mnemo::safetensors_m
     if (!feedback && s.eval_c_mem_len > 0 && s.eval_mem_len < s.rate - 1)
         fail("--eval-mem-len ", s.eval_mem_len, " is too short for --rate ", s.rate, ": it must be at least rate − 1");
     s.threads = int(run_int("--threads", omp_get_num_procs(), 1, max_threads));
+    if (cl.has("--device")) s.device = ex::parse_device_kind(cl.at("--device"));
+    ex::check_device(s.device);  // before any data is read
     if (cl.has("--temperature")) s.temperature = parse_real("--temperature", cl.at("--temperature"));
     if (s.temperature < 0) fail("--temperature must be >= 0, got ", s.temperature);
     s.greedy = cl.has("--greedy");

@@ -306,6 +306,8 @@ struct ops<fenced> {
     }
     MNEMO_KERNELS(MNEMO_FENCED_KERNEL)
 #undef MNEMO_FENCED_KERNEL
+    static constexpr bool absorbs_memory = ops<cpu>::absorbs_memory;
+    static constexpr bool defers_weight_decay = ops<cpu>::defers_weight_decay;
 };
 
 static_assert(check_kernel_table<fenced>());

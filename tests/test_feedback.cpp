@@ -1,7 +1,8 @@
 // The Feedback Transformer: feedback attention against its defining formula and finite differences;
 // the whole model (both variants) against finite differences through time and against the PyTorch
 // reference (tools/golden_feedback.py); generation from the key/value cache against a full forward pass;
-// steady-state forward/backward/generation without heap allocation.
+// steady-state forward/backward/generation without heap allocation. Built with MNEMO_TEST_CUDA
+// (tests/cuda), its golden cases run on the GPU.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -17,7 +18,11 @@
 #include <mnemo/io/safetensors.hpp>
 
 #include "allocation_counter.hpp"
+#ifdef MNEMO_TEST_CUDA
+#include <mnemo/cuda.hpp>
+#else
 #include "fenced_backend.hpp"
+#endif
 #include "gradcheck.hpp"
 
 using mnemo::index_t;
@@ -383,6 +388,29 @@ void check_golden(const std::string& name, tolerance tol, tolerance tol_after, b
 
 }  // namespace
 
+#ifdef MNEMO_TEST_CUDA  // tests/cuda: the golden data on the GPU (the test runs only the golden cases)
+TEST_CASE("golden: feedback_tiny (original variant, AdamW, clipping) matches the PyTorch reference") {
+    SUBCASE("double, cuda backend") {
+        check_golden<double, mnemo::feedback_transformer<double, mnemo::config<16, 2>, mnemo::per_layer_kv, mnemo::cuda>>(
+            "feedback_tiny", golden_fp64, golden_fp64);
+    }
+    SUBCASE("float, cuda backend") {
+        check_golden<float, mnemo::feedback_transformer<float, mnemo::config<16, 2>, mnemo::per_layer_kv, mnemo::cuda>>(
+            "feedback_tiny", golden_fp32, golden_fp32_after);
+    }
+}
+
+TEST_CASE("golden: feedback_kv_tiny (shared keys/values, labml Noam) matches the PyTorch reference") {
+    SUBCASE("double, cuda backend") {
+        check_golden<double, mnemo::feedback_transformer_kv<double, mnemo::config<16, 2>, mnemo::cuda>>(
+            "feedback_kv_tiny", golden_fp64, golden_fp64);
+    }
+    SUBCASE("float, cuda backend") {
+        check_golden<float, mnemo::feedback_transformer_kv<float, mnemo::config<16, 2>, mnemo::cuda>>(
+            "feedback_kv_tiny", golden_fp32, golden_fp32_after, true);
+    }
+}
+#else
 TEST_CASE("golden: feedback_tiny (original variant, AdamW, clipping) matches the PyTorch reference") {
     SUBCASE("double") {
         check_golden<double, mnemo::feedback_transformer<double, mnemo::config<16, 2>>>("feedback_tiny", golden_fp64,
@@ -412,6 +440,8 @@ TEST_CASE("golden: feedback_kv_tiny (shared keys/values, labml Noam) matches the
             "feedback_kv_tiny", golden_fp64, golden_fp64);
     }
 }
+
+#endif
 
 // ---------------------------------------------------------------------------------------------------
 // Generation from the cache

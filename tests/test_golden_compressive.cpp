@@ -16,7 +16,11 @@
 #include <mnemo/train/optimizer.hpp>
 #include <mnemo/io/safetensors.hpp>
 
+#ifdef MNEMO_TEST_CUDA
+#include <mnemo/cuda.hpp>
+#else
 #include "fenced_backend.hpp"
+#endif
 #include "testing.hpp"
 
 using mnemo::index_t;
@@ -101,6 +105,16 @@ void check_golden(const std::string& name, tolerance tol, tolerance tol_after) {
 
 template <std::size_t D, std::size_t H, std::size_t C, template <class, std::size_t, std::size_t, class> class F>
 void both(const std::string& name) {
+#ifdef MNEMO_TEST_CUDA  // tests/cuda: the same data on the GPU
+    SUBCASE("double, cuda backend") {
+        check_golden<double, mnemo::compressive_transformer<double, mnemo::config<D, H, C>, F, mnemo::cuda>>(
+            name, golden_fp64, golden_fp64);
+    }
+    SUBCASE("float, cuda backend") {
+        check_golden<float, mnemo::compressive_transformer<float, mnemo::config<D, H, C>, F, mnemo::cuda>>(
+            name, golden_fp32, golden_fp32_after);
+    }
+#else
     SUBCASE("double") {
         check_golden<double, mnemo::compressive_transformer<double, mnemo::config<D, H, C>, F>>(name, golden_fp64,
                                                                                                  golden_fp64);
@@ -113,6 +127,7 @@ void both(const std::string& name) {
         check_golden<double, mnemo::compressive_transformer<double, mnemo::config<D, H, C>, F, mnemo::fenced>>(
             name, golden_fp64, golden_fp64);
     }
+#endif
 }
 
 }  // namespace

@@ -33,6 +33,10 @@
 //   optimizers    adam_step (templated on the adam_rule), adam_cold_blocks, sgd_step,
 //                 sum_squares_live, scale_live (kernels/optimizer_state.hpp; the global gradient norm),
 //                 pay_deferred_decay (the deferred weight decay of rows nothing read)
+//
+// Besides the kernels, two constants say what a backend leaves out (MNEMO_KERNEL_TRAITS, checked the same way):
+//   absorbs_memory        relative attention may take the absorbed-memory route (nn/attention/relative.hpp)
+//   defers_weight_decay   the decoupled optimizers may defer the decay of cold blocks (core/parameters.hpp)
 #include "../core/backend.hpp"
 
 #define MNEMO_KERNELS(X)                                                                                     \
@@ -55,6 +59,8 @@
     X(scale_shift_rows) X(sum_as_double) X(axpy) X(weighted_sum_rows)                                      \
     X(adam_step) X(adam_cold_blocks) X(sgd_step) X(sum_squares_live) X(scale_live) X(pay_deferred_decay)
 
+#define MNEMO_KERNEL_TRAITS(X) X(absorbs_memory) X(defers_weight_decay)
+
 namespace mnemo {
 namespace detail::kernel_probe {
 // has_<name><Ops>: Ops has a member called <name>, whatever its kind (function, template, overload set).
@@ -69,6 +75,7 @@ namespace detail::kernel_probe {
     template <class Ops>                                           \
     concept has_##name = !requires { &both_##name<Ops>::name; };
 MNEMO_KERNELS(MNEMO_KERNEL_PROBE)
+MNEMO_KERNEL_TRAITS(MNEMO_KERNEL_PROBE)
 #undef MNEMO_KERNEL_PROBE
 }  // namespace detail::kernel_probe
 
@@ -80,6 +87,11 @@ constexpr bool check_kernel_table() {
                   "mnemo: ops<Backend> has no kernel '" #name "' (kernels/kernel_table.hpp)");
     MNEMO_KERNELS(MNEMO_KERNEL_ASSERT)
 #undef MNEMO_KERNEL_ASSERT
+#define MNEMO_KERNEL_TRAIT_ASSERT(name)                                                                    \
+    static_assert(detail::kernel_probe::has_##name<ops<Backend>>,                                          \
+                  "mnemo: ops<Backend> does not say '" #name "' (a constexpr bool; kernels/kernel_table.hpp)");
+    MNEMO_KERNEL_TRAITS(MNEMO_KERNEL_TRAIT_ASSERT)
+#undef MNEMO_KERNEL_TRAIT_ASSERT
     return true;
 }
 

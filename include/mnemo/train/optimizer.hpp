@@ -219,6 +219,10 @@ protected:
              parameter_set<T, Backend>* deferring = nullptr) {
         adam_step_args<T> a;
         deferred_decay<T> d;
+        if (deferring && !kernels::defers_weight_decay) {  // the backend decays every element now
+            params = deferring->deferral().values;
+            deferring = nullptr;
+        }
         if (deferring) {  // after the checks: a rejected step logs no factor
             d = deferring->log_decay(c.decay);
             params = d.values;

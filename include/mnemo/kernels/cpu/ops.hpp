@@ -38,6 +38,9 @@ struct ops<cpu> : cpu_kernels::gemm,
                   cpu_kernels::cross_entropy,
                   cpu_kernels::dropout,
                   cpu_kernels::elementwise,
-                  cpu_kernels::optimizer {};
+                  cpu_kernels::optimizer {
+    static constexpr bool absorbs_memory = true;       // see kernels/kernel_table.hpp
+    static constexpr bool defers_weight_decay = true;
+};
 
 }  // namespace mnemo

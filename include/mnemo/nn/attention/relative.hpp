@@ -459,6 +459,7 @@ private:
     /// per batch element: projected 4·M·D² (projections, their weight and norm gradients) + 6·Q·M·D
     /// (per-head products); absorbed 6·Q·D² + 6·H·Q·M·D.
     bool use_absorbed(index_t q_len, index_t mem) const {
+        if constexpr (!kernels::absorbs_memory) return false;  // the backend has no absorbed route
         if (mem == 0 || keep_projections_ || mode_ == memory_attention::projected) return false;
         if (mode_ == memory_attention::absorbed) return true;
         const double s = double(q_len), m = double(mem), d = double(D), h = double(H);
