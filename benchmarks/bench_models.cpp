@@ -6,10 +6,7 @@
 //   build/benchmarks/bench_models --benchmark_filter=scaling        growth with seq, mem, c_mem
 //   build/benchmarks/bench_models --benchmark_filter=train_A        one row
 //
-// Configurations (the performance issue's):
-//   A  the reference experiment: d_model 128, heads 4, d_ff 256, 6 layers, seq 8, mem 8, c_mem 128, c 2, batch 32, vocab 65
-//   B  d_model 256, heads 8, d_ff 1024, 6 layers, seq 128, mem 128, c_mem 128, c 4, batch 8, vocab 65
-//   C  d_model 512, heads 8, d_ff 2048, 6 layers, seq 256, mem 256, c_mem 256, c 4, batch 4, vocab 256
+// Configurations A, B, C: model_shapes.hpp.
 // Counters: tokens/s, ms per step, GFLOP/s of the step's dense arithmetic (counted below), and
 // peak_frac, that rate over this machine's FP32 peak measured in the same process (peak.hpp).
 #include <benchmark/benchmark.h>
@@ -20,6 +17,7 @@
 
 #include <mnemo/mnemo.hpp>
 
+#include "model_shapes.hpp"
 #include "peak.hpp"
 
 namespace {
@@ -27,12 +25,10 @@ namespace {
 using mnemo::index_t;
 using mnemo::token_t;
 
-struct shape {
-    index_t vocab, n_layers, d_ff, seq, mem, c_mem, batch;
-};
-constexpr shape A{65, 6, 256, 8, 8, 128, 32};
-constexpr shape B{65, 6, 1024, 128, 128, 128, 8};
-constexpr shape C{256, 6, 2048, 256, 256, 256, 4};
+using mnemo_bench::A;
+using mnemo_bench::B;
+using mnemo_bench::C;
+using mnemo_bench::shape;
 
 template <class Cfg>
 using model_t = mnemo::compressive_transformer<float, Cfg>;
@@ -44,28 +40,9 @@ std::vector<token_t> tokens_for(const shape& s, std::uint64_t seed) {
     return t;
 }
 
-// Multiply-adds ×2 of one forward pass over a segment with full memory (GEMMs and attention only),
-// counted for the route the attention takes (relative_attention's memory_attention): projected
-// (keys and values of every memory row) or absorbed (W_k, W_v folded into queries and context).
 template <class Cfg>
 double forward_flops(const shape& s, bool absorbed = false) {
-    const double D = Cfg::d_model, H = Cfg::heads, rows = double(s.seq * s.batch), keys = double(s.seq + s.mem + s.c_mem);
-    const double mem_rows = double(s.mem + s.c_mem) * double(s.batch);
-    double attention;
-    if (!absorbed) {
-        attention = 2 * (keys * double(s.batch)) * D * D * 2  // key, value projections over memory + segment
-                    + 2 * rows * keys * D * 2;                // scores and weighted values
-    } else {
-        attention = 2 * rows * D * D * 2                      // key, value projections of the segment
-                    + 2 * rows * double(s.seq) * D * 2        // the segment's scores and weighted values
-                    + 2 * rows * D * D * 2                    // q̃ = (q+u)·W_k, context += U·W_vᵀ
-                    + 2 * H * rows * (mem_rows / double(s.batch)) * D * 2;  // q̃·ẑᵀ and A·ẑ, every head
-    }
-    double per_layer = 2 * rows * D * D * 2                   // query, output projections
-                       + attention
-                       + 2 * rows * (keys + double(s.seq)) * D  // positional scores
-                       + 2 * rows * D * double(s.d_ff) * 2;     // feed-forward
-    return double(s.n_layers) * per_layer + 2 * rows * D * double(s.vocab);
+    return mnemo_bench::forward_flops(s, double(Cfg::d_model), double(Cfg::heads), absorbed);
 }
 
 // peak_frac: the step's GFLOP/s over this machine's FP32 peak at the same thread count (peak.hpp).

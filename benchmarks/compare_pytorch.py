@@ -366,8 +366,9 @@ class FeedbackStepper:
         H, dk = self.cfg.heads, self.cfg.d_model // self.cfg.heads
         if preallocate and not (mode == "reproject" and not self.cfg.kv_shared):
             dtype = tr.norm.weight.dtype
-            self.kbuf = [torch.empty(steps, batch, H, dk, dtype=dtype) for _ in range(n_kv)]
-            self.vbuf = [torch.empty(steps, batch, H, dk, dtype=dtype) for _ in range(n_kv)]
+            device = tr.norm.weight.device
+            self.kbuf = [torch.empty(steps, batch, H, dk, dtype=dtype, device=device) for _ in range(n_kv)]
+            self.vbuf = [torch.empty(steps, batch, H, dk, dtype=dtype, device=device) for _ in range(n_kv)]
         else:
             self.keys = [[] for _ in range(n_kv)]
             self.values = [[] for _ in range(n_kv)]

@@ -298,7 +298,10 @@ double sum_squares_live(const T* x, index_t n, std::span<const flat_range> live)
     std::lock_guard guard(sc.lock);
     if (!sc.partial) MNEMO_CUDA(cudaMalloc(&sc.partial, sizeof(double) * (norm_max_blocks + 1)));
     if (sc.runs_capacity < live.size()) {
-        if (sc.runs) MNEMO_CUDA(cudaFree(sc.runs));
+        if (sc.runs) {  // a call that threw before its final wait may have left a kernel reading it
+            MNEMO_CUDA(cudaStreamSynchronize(st));
+            MNEMO_CUDA(cudaFree(sc.runs));
+        }
         sc.runs = nullptr;
         sc.runs_capacity = 0;
         const std::size_t capacity = std::max<std::size_t>(live.size(), 256);

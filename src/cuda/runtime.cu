@@ -21,7 +21,8 @@ struct context {
         MNEMO_CUDA(cublasSetStream(blas, stream));
         // FP32 stays FP32 (no TF32): the results are checked against the CPU's and PyTorch's.
         MNEMO_CUDA(cublasSetMathMode(blas, CUBLAS_DEFAULT_MATH));
-        // cuBLAS's own workspace is fixed up front, so no call allocates in the steady state.
+        // cuBLAS uses its default workspace pool (allocated with the handle); capturing a step in a CUDA
+        // graph will need cublasSetWorkspace with a buffer of our own.
     }
     // Deliberately not destroyed: at process exit the driver may already be gone.
 };
@@ -86,6 +87,7 @@ std::string describe() {
 void synchronize() { MNEMO_CUDA(cudaStreamSynchronize(cuda_detail::stream())); }
 std::size_t bytes_in_use() noexcept { return cuda_detail::in_use.load(); }
 std::size_t peak_bytes() noexcept { return cuda_detail::peak.load(); }
+void reset_peak() noexcept { cuda_detail::peak.store(cuda_detail::in_use.load()); }
 std::size_t launches() noexcept { return cuda_detail::launch_count.load(); }
 
 }  // namespace cuda_runtime
@@ -128,8 +130,15 @@ void device_memory<cuda>::copy(void* dst, const void* src, std::size_t bytes) {
     auto& sc = cuda_detail::scratch();
     std::lock_guard g(sc.lock);
     if (sc.bytes < bytes) {
-        if (sc.p) MNEMO_CUDA(cudaFree(sc.p));
+        // The old block may still be read by copies enqueued earlier (by any thread): wait for them
+        // explicitly rather than rely on cudaFree's implicit synchronisation. Capacity 0 until the new
+        // block is there, so a failed cudaMalloc leaves no null pointer with a stale size behind.
+        if (sc.p) {
+            MNEMO_CUDA(cudaStreamSynchronize(st));
+            MNEMO_CUDA(cudaFree(sc.p));
+        }
         sc.p = nullptr;
+        sc.bytes = 0;
         MNEMO_CUDA(cudaMalloc(&sc.p, bytes));
         sc.bytes = bytes;
     }

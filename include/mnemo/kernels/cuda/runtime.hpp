@@ -29,6 +29,8 @@ void synchronize();
 /// Bytes of device memory the backend holds now and at most so far (its own allocations).
 std::size_t bytes_in_use() noexcept;
 std::size_t peak_bytes() noexcept;
+/// Starts a new peak from what is in use now.
+void reset_peak() noexcept;
 /// Kernel launches and cuBLAS calls enqueued since the process started (the benchmarks' launches per step).
 std::size_t launches() noexcept;
 
