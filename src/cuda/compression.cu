@@ -17,13 +17,9 @@
 namespace mnemo::cuda_kernels {
 namespace {
 
-using cuda_detail::blocks_for;
-using cuda_detail::global_index;
-using cuda_detail::global_stride;
-using namespace cuda_detail;  // device_math.cuh
+using namespace cuda_detail;  // common.cuh, device_math.cuh
 
 constexpr unsigned threads = 256;
-
 
 // The memory row that output row r reads at window step t.
 __device__ inline index_t memory_row(index_t r, index_t t, index_t rate, index_t batch) {

@@ -17,10 +17,7 @@
 namespace mnemo::cuda_kernels {
 namespace {
 
-using cuda_detail::blocks_for;
-using cuda_detail::global_index;
-using cuda_detail::global_stride;
-using namespace cuda_detail;  // device_math.cuh
+using namespace cuda_detail;  // common.cuh, device_math.cuh
 
 constexpr unsigned threads = 256;
 
