@@ -1,5 +1,7 @@
 // Padding masks that travel with the tokens into the memory and the compressed memory, clamp_len, and
-// evaluation with memory lengths other than the training ones.
+// evaluation with memory lengths other than the training ones. The two batch-against-documents
+// equivalences run over the CPU and the fenced backend (every number read over the host path); built
+// with MNEMO_TEST_CUDA (tests/cuda), the file runs them on the GPU only.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -8,6 +10,11 @@
 
 #include <mnemo/models/compressive_transformer.hpp>
 
+#ifdef MNEMO_TEST_CUDA
+#include <mnemo/cuda.hpp>
+#else
+#include "fenced_backend.hpp"
+#endif
 #include "allocation_counter.hpp"
 #include "gradcheck.hpp"
 
@@ -23,7 +30,9 @@ using mnemo::testing::randomize_model;
 
 namespace {
 using tiny = mnemo::config<8, 2, 2>;
-using model_t = mnemo::compressive_transformer<double, tiny>;
+template <class B>
+using model_on = mnemo::compressive_transformer<double, tiny, mnemo::conv_compression, B>;
+using model_t = model_on<mnemo::cpu>;
 using pad_t = std::vector<std::uint8_t>;
 
 // Sequence-major rows (position·batch + b) of the positions [from, from + q) of `streams`.
@@ -36,23 +45,40 @@ V segment_of(const std::vector<V>& streams, index_t from, index_t q) {
     return out;
 }
 
-// Logits row r of the last forward.
-std::vector<double> logits_row(const model_t& m, index_t r) {
+// The logits of the last forward [rows, vocab], over the host path.
+template <class M>
+std::vector<double> all_logits(const M& m) {
     const auto l = m.logits();
-    return std::vector<double>(l.row(r), l.row(r) + l.cols());
+    return mnemo::testing::to_host<typename M::backend_type>(l.data(), l.rows() * l.cols());
 }
 
-bool all_finite(const model_t& m) {
-    const auto l = m.logits();
-    for (index_t i = 0; i < l.size(); ++i)
-        if (!std::isfinite(l.data()[i])) return false;
+// Logits row r of the last forward.
+template <class M>
+std::vector<double> logits_row(const M& m, index_t r) {
+    const auto all = all_logits(m);
+    const std::size_t v = std::size_t(m.logits().cols());
+    return std::vector<double>(all.begin() + std::ptrdiff_t(std::size_t(r) * v), all.begin() + std::ptrdiff_t((std::size_t(r) + 1) * v));
+}
+
+template <class M>
+bool all_finite(const M& m) {
+    for (double x : all_logits(m))
+        if (!std::isfinite(x)) return false;
     return true;
 }
-}  // namespace
 
-TEST_CASE("padding: left-padded Transformer-XL batch equals each document alone at its real positions") {
+template <class M>
+std::vector<double> all_grads(M& m) {
+    std::vector<double> g(std::size_t(m.parameters().size()));
+    m.parameters().download_all_grads(g);
+    return g;
+}
+
+/// A left-padded Transformer-XL batch over backend B equals each document alone at its real positions.
+template <class B>
+void left_padded_batch() {
     const index_t vocab = 7, Q = 3, S = 3, T = Q * S, mem_len = 12;
-    model_t model({.vocab = vocab, .n_layers = 2, .d_ff = 6, .n_pos = 32});
+    model_on<B> model({.vocab = vocab, .n_layers = 2, .d_ff = 6, .n_pos = 32});
     randomize_model(model.parameters(), 3);
     const auto a = random_tokens(T, vocab, 10);
     auto b_doc = random_tokens(5, vocab, 11);
@@ -109,9 +135,11 @@ TEST_CASE("padding: left-padded Transformer-XL batch equals each document alone 
     }
 }
 
-TEST_CASE("padding: right-padded batch with compression equals each document alone; padding adds no loss") {
+/// A right-padded batch with compression over backend B equals each document alone; padding adds no loss.
+template <class B>
+void right_padded_batch() {
     const index_t vocab = 7, Q = 3, S = 3, T = Q * S;
-    model_t model({.vocab = vocab, .n_layers = 2, .d_ff = 6, .n_pos = 32});
+    model_on<B> model({.vocab = vocab, .n_layers = 2, .d_ff = 6, .n_pos = 32});
     randomize_model(model.parameters(), 5);
     const auto a = random_tokens(T, vocab, 20);
     auto b_row = random_tokens(T, vocab, 21);
@@ -167,7 +195,7 @@ TEST_CASE("padding: right-padded batch with compression equals each document alo
         }
         ps.zero_grad();
         const auto l2 = model.train_segment(t2, tgt2, 2, m2, p2);
-        std::vector<double> g2(ps.grads(), ps.grads() + ps.size());
+        const std::vector<double> g2 = all_grads(model);
         std::vector<double> lg2;
         for (index_t i = 0; i < Q; ++i) {
             const auto r = logits_row(model, i * 2);
@@ -175,8 +203,8 @@ TEST_CASE("padding: right-padded batch with compression equals each document alo
         }
         ps.zero_grad();
         const auto l1 = model.train_segment(t1, tgt1, 1, m1);
-        std::vector<double> g1(ps.grads(), ps.grads() + ps.size());
-        std::vector<double> lg1(model.logits().data(), model.logits().data() + model.logits().size());
+        const std::vector<double> g1 = all_grads(model);
+        const std::vector<double> lg1 = all_logits(model);
         INFO("segment " << s);
         CHECK(l2.compressed == l1.compressed);
         CHECK(std::abs(l2.ce - l1.ce) < 1e-12);
@@ -185,6 +213,27 @@ TEST_CASE("padding: right-padded batch with compression equals each document alo
         CHECK(max_diff(lg2, lg1) < 1e-12);
         CHECK(max_diff(g2, g1) < 1e-11);
     }
+}
+
+}  // namespace
+
+#ifdef MNEMO_TEST_CUDA  // tests/cuda: the equivalences on the GPU
+TEST_CASE("padding on the GPU: left-padded Transformer-XL batch equals each document alone at its real positions") {
+    left_padded_batch<mnemo::cuda>();
+}
+TEST_CASE("padding on the GPU: right-padded batch with compression equals each document alone; padding adds no loss") {
+    right_padded_batch<mnemo::cuda>();
+}
+#else
+TEST_CASE("padding: left-padded Transformer-XL batch equals each document alone at its real positions") {
+    left_padded_batch<mnemo::cpu>();
+}
+TEST_CASE("padding: right-padded batch with compression equals each document alone; padding adds no loss") {
+    right_padded_batch<mnemo::cpu>();
+}
+TEST_CASE("padding over the fenced backend: both batch-against-documents equivalences") {
+    left_padded_batch<mnemo::fenced>();
+    right_padded_batch<mnemo::fenced>();
 }
 
 TEST_CASE("padding: a padded key gets exactly zero attention weight; a row with no real key is zero, not NaN") {
@@ -518,3 +567,4 @@ TEST_CASE("evaluation memory: mem_len twice the training one runs and differs; t
     // c_mem + mem + Q > P: a clear error naming n_pos.
     CHECK_THROWS_WITH_AS(run(14, 4), doctest::Contains("n_pos"), mnemo::error);
 }
+#endif
