@@ -50,6 +50,7 @@ struct state {
     std::array<region, max_regions> regions{};
     std::size_t next_id = 1;
     int depth = 0;  // kernels running now; the fence is open while > 0
+    std::size_t downloads = 0;  // transfers to the host so far (what would make a GPU wait)
     struct sigaction previous{};  // the handler before ours (doctest's, which names the test case)
 };
 inline state& global() {
@@ -127,6 +128,12 @@ struct open_scope {
     open_scope& operator=(const open_scope&) = delete;
 };
 
+/// Downloads (device_memory<fenced>::download) so far in this process.
+inline std::size_t downloads() {
+    std::lock_guard g(global().lock);
+    return global().downloads;
+}
+
 /// Fenced buffers alive now.
 inline std::size_t live_regions() {
     std::lock_guard g(global().lock);
@@ -176,6 +183,10 @@ struct device_memory<fenced> {
         device_memory<cpu>::upload(dst, host, bytes);
     }
     static void download(void* host, const void* src, std::size_t bytes) {
+        {
+            std::lock_guard g(fence::global().lock);
+            ++fence::global().downloads;
+        }
         fence::open_scope open;
         device_memory<cpu>::download(host, src, bytes);
     }

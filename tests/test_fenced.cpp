@@ -5,6 +5,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <bit>
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <iterator>
@@ -248,6 +250,90 @@ TEST_CASE("fenced backend: compressive transformer and Transformer-XL training s
     }
 }
 
+
+/// A double's bits (so that bitwise equality is what a check compares).
+std::uint64_t bits(double x) { return std::bit_cast<std::uint64_t>(x); }
+
+/// Three training segments and one evaluation segment queued on the fenced backend, each checked to
+/// read nothing on the host (no download: a GPU would not wait), their losses read afterwards with
+/// read_losses(); against train_segment / eval_segment on the CPU: losses, compressed counts and
+/// gradients bitwise the same. `pad_all`: the second segment is padding throughout (the attention
+/// reconstruction then counts no row and its gradient pass adds nothing).
+template <template <class, std::size_t, std::size_t, class> class Compression>
+void check_queued_segments(compressive_options o, index_t c_mem_len, bool pad_all = false) {
+    o.vocab = 7;
+    o.n_layers = 2;
+    o.d_ff = 24;
+    o.n_pos = 32;
+    compressive_transformer<float, config<16, 4, 2>, Compression, cpu> host(o);
+    compressive_transformer<float, config<16, 4, 2>, Compression, fenced> dev(o);
+    host.reset_parameters(5);
+    dev.reset_parameters(5);
+    auto host_mem = host.make_memory(4, c_mem_len);
+    auto dev_mem = dev.make_memory(4, c_mem_len);
+    const index_t batch = 2, q = 4;
+    rng g(29);
+    CHECK_THROWS_WITH_AS(dev.read_losses(), doctest::Contains("read_losses without a queued segment"), error);
+    for (int seg = 0; seg < 4; ++seg) {
+        std::vector<token_t> tokens(std::size_t(q * batch)), targets(tokens.size());
+        for (auto& t : tokens) t = token_t(g.uniform(0, 7));
+        for (auto& t : targets) t = token_t(g.uniform(0, 7));
+        std::vector<std::uint8_t> pad(tokens.size(), std::uint8_t(pad_all && seg == 1));
+        if (pad_all && seg == 1) std::fill(targets.begin(), targets.end(), -1);
+        host.parameters().zero_grad();
+        dev.parameters().zero_grad();
+        const bool train = seg < 3;
+        const segment_losses want = train ? host.train_segment(tokens, targets, batch, host_mem, pad)
+                                          : host.eval_segment(tokens, targets, batch, host_mem, pad);
+        const std::size_t before = fence::downloads();
+        if (train) dev.queue_train_segment(tokens, targets, batch, dev_mem, pad);
+        else dev.queue_eval_segment(tokens, targets, batch, dev_mem, pad);
+        CHECK_MESSAGE(fence::downloads() == before, "segment ", seg, " read backend memory on the host");
+        const segment_losses got = dev.read_losses();
+        CHECK(fence::downloads() == before + 1);  // every loss in one transfer
+        CHECK(bits(got.ce) == bits(want.ce));
+        CHECK(bits(got.ar) == bits(want.ar));
+        CHECK(got.compressed == want.compressed);
+        const segment_losses again = dev.read_losses();  // reading twice reads the same
+        CHECK(bits(again.ar) == bits(got.ar));
+        std::vector<float> hg(std::size_t(host.parameters().size())), dg(hg.size());
+        host.parameters().download_all_grads(hg);
+        dev.parameters().download_all_grads(dg);
+        CHECK(hg == dg);
+    }
+}
+
+TEST_CASE("fenced backend: a queued segment leaves its losses on the backend until read_losses, bitwise train_segment's") {
+    SUBCASE("conv compression, attention reconstruction") { check_queued_segments<conv_compression>({}, 4); }
+    SUBCASE("attention reconstruction, a segment padded throughout") { check_queued_segments<conv_compression>({}, 4, true); }
+    SUBCASE("post-LN, max pooling") { check_queued_segments<max_pool_compression>({.norm = norm_kind::post}, 4); }
+    SUBCASE("auto-encoding loss, one memory layer") {
+        check_queued_segments<mean_pool_compression>(
+            {.memory_layers = {1}, .reconstruction = reconstruction_kind::autoencoding}, 4);
+    }
+    SUBCASE("most-used compression") { check_queued_segments<most_used_compression>({}, 4); }
+    SUBCASE("Transformer-XL") { check_queued_segments<no_compression>({}, 0); }
+}
+
+TEST_CASE("fenced backend: a queued Feedback Transformer sequence reads its loss with read_loss, bitwise") {
+    feedback_transformer<float, config<16, 4>, per_layer_kv, cpu> host({.vocab = 7, .n_layers = 2, .d_ff = 24, .n_pos = 16});
+    feedback_transformer<float, config<16, 4>, per_layer_kv, fenced> dev({.vocab = 7, .n_layers = 2, .d_ff = 24, .n_pos = 16});
+    host.reset_parameters(6);
+    dev.reset_parameters(6);
+    CHECK_THROWS_WITH_AS(dev.read_loss(), doctest::Contains("read_loss without a queued sequence"), error);
+    rng g(31);
+    for (int seq = 0; seq < 2; ++seq) {
+        std::vector<token_t> tokens(10), targets(10);
+        for (auto& t : tokens) t = token_t(g.uniform(0, 7));
+        for (auto& t : targets) t = token_t(g.uniform(0, 7));
+        const double want = seq == 0 ? host.train_segment(tokens, targets, 2) : host.eval_segment(tokens, targets, 2);
+        if (seq == 0) dev.queue_train_segment(tokens, targets, 2);
+        else dev.queue_eval_segment(tokens, targets, 2);
+        const std::size_t before = fence::downloads();
+        CHECK(bits(dev.read_loss()) == bits(want));
+        CHECK(fence::downloads() == before + 1);
+    }
+}
 
 TEST_CASE("fenced backend: Feedback Transformer training and cached generation match the CPU bitwise") {
     SUBCASE("per-layer keys and values") {

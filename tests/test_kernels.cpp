@@ -425,3 +425,15 @@ TEST_CASE("elementwise: bias add and column sums") {
         for (index_t j = 0; j < n; ++j) rdb[j] += c[i * ld + j];
     check_close("sum_rows_accumulate", db, rdb, 1e-14, 1e-14);
 }
+
+TEST_CASE("scale_by_count: x times numerator / (count · per_count), zero for a count of 0") {
+    const std::vector<float> x0 = random_vector<float>(37, 3);
+    std::vector<float> x = x0;
+    const double count = 3;
+    K::scale_by_count(index_t(x.size()), x.data(), &count, 4, 2.0f);
+    const float s = 2.0f / 12.0f;
+    for (std::size_t i = 0; i < x.size(); ++i) CHECK(x[i] == x0[i] * s);
+    const double none = 0;
+    K::scale_by_count(index_t(x.size()), x.data(), &none, 4, 2.0f);
+    for (float v : x) CHECK(v == 0.0f);
+}

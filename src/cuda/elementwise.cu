@@ -119,6 +119,14 @@ __global__ void __launch_bounds__(sum_threads) sum_as_double_kernel(index_t n, c
     if (threadIdx.x == 0) *sum = s;
 }
 
+/// The factor is formed by each thread from the count in device memory, as the CPU forms it.
+template <class T>
+__global__ void scale_by_count_kernel(index_t n, T* x, const double* count, index_t per_count, T numerator) {
+    const index_t m = index_t(*count) * per_count;
+    const T s = m > 0 ? numerator / T(m) : T(0);
+    for (index_t e = global_index(); e < n; e += global_stride()) x[e] = x[e] * s;
+}
+
 template <class T>
 __global__ void axpy_kernel(index_t n, T a, const T* x, T* y) {
     for (index_t e = global_index(); e < n; e += global_stride()) y[e] += a * x[e];
@@ -331,6 +339,12 @@ void scale(index_t rows, index_t n, const T* x, index_t ldx, T s, T* y, index_t 
     launch("scale_kernel", rows * n, scale_kernel<T>, rows, n, x, ldx, s, y, ldy);
 }
 
+template <class T>
+void scale_by_count(index_t n, T* x, const double* count, index_t per_count, T numerator) {
+    if (n <= 0) return;
+    launch("scale_by_count_kernel", n, scale_by_count_kernel<T>, n, x, count, per_count, numerator);
+}
+
 template <class T, class I>
 void gather_rows(index_t rows, index_t n, const I* ids, const T* table, index_t ldt, T* y, index_t ldy) {
     if (rows <= 0 || n <= 0) return;
@@ -436,6 +450,7 @@ void gru_gate_backward(index_t rows, index_t d, const T* act, const T* gh, const
                                                     index_t);                                                          \
     template void scale_shift_rows<T>(index_t, index_t, const T*, index_t, const T*, const T*, T*, index_t);          \
     template void sum_as_double<T>(index_t, const T*, double*);                                                        \
+    template void scale_by_count<T>(index_t, T*, const double*, index_t, T);                                           \
     template void axpy<T>(index_t, T, const T*, T*);                                                                   \
     template void weighted_sum_rows<T>(index_t, index_t, std::span<const T* const>, index_t, std::span<const T>, T*,  \
                                        index_t);                                                                       \

@@ -24,6 +24,7 @@
 //     tail is not documented); gelu backward, GRU gates: normalised 16 eps
 //   layer norm forward (y, mean, rstd, x̂) and dx, cross-entropy (loss, gradient): normalised 64 eps
 //   sum_as_double: relative 1e-12 of Σ|x|
+//   scale_by_count: bitwise (one product by a factor formed the same way)
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
@@ -682,6 +683,21 @@ TEST_CASE_TEMPLATE("sum_as_double and axpy against the CPU", T, float, double) {
         cpu_ops::axpy(n, T(-0.6), x.data(), y.data());
         CHECK(norm_err(dy.host(), y) <= 2 * eps<T>);
     }
+}
+
+TEST_CASE_TEMPLATE("scale_by_count against the CPU: the factor from a count in device memory", T, float, double) {
+    for (double count : {0.0, 1.0, 7.0})
+        for (index_t n : {1, 33, 70001}) {
+            CAPTURE(count);
+            CAPTURE(n);
+            const std::vector<T> x0 = rnd<T>(sz(n));
+            std::vector<T> x = x0;
+            device_vector<T> dx(x0);
+            device_vector<double> dcount(std::vector<double>{count, 0.0});
+            gpu_ops::scale_by_count(n, dx.data(), dcount.data(), index_t(5), T(2));
+            cpu_ops::scale_by_count(n, x.data(), &count, index_t(5), T(2));
+            CHECK(same(dx.host(), x));  // one multiplication by the same factor
+        }
 }
 
 TEST_CASE_TEMPLATE("weighted_sum_rows against the CPU", T, float, double) {

@@ -29,7 +29,7 @@
 //   loss          cross_entropy_fused
 //   dropout       dropout_forward, dropout_backward
 //   element-wise  add_bias_rows, sum_rows_accumulate, add, copy, scale, gather_rows, scatter_add_rows,
-//                 scale_shift_rows, sum_as_double, axpy, weighted_sum_rows
+//                 scale_shift_rows, sum_as_double, scale_by_count, axpy, weighted_sum_rows
 //   optimizers    adam_step (templated on the adam_rule), adam_cold_blocks, sgd_step,
 //                 sum_squares_live, scale_live (kernels/optimizer_state.hpp; the global gradient norm),
 //                 pay_deferred_decay (the deferred weight decay of rows nothing read)
@@ -56,7 +56,7 @@
     X(cross_entropy_fused)                                                   \
     X(dropout_forward) X(dropout_backward)                                                                  \
     X(add_bias_rows) X(sum_rows_accumulate) X(add) X(copy) X(scale) X(gather_rows) X(scatter_add_rows)   \
-    X(scale_shift_rows) X(sum_as_double) X(axpy) X(weighted_sum_rows)                                      \
+    X(scale_shift_rows) X(sum_as_double) X(scale_by_count) X(axpy) X(weighted_sum_rows)                    \
     X(adam_step) X(adam_cold_blocks) X(sgd_step) X(sum_squares_live) X(scale_live) X(pay_deferred_decay)
 
 #define MNEMO_KERNEL_TRAITS(X) X(absorbs_memory) X(defers_weight_decay)

@@ -75,6 +75,22 @@ public:
               Compression& compress, view<const T, DM, Backend> h, view<const T, DM, Backend> m, index_t batch,
               bool with_grad, const std::uint8_t* h_pad = nullptr, const std::uint8_t* m_pad = nullptr,
               const saved_forward& saved = {}) {
+        queue(norm, attn, compress, h, m, batch, with_grad, sum_.ensure(2), h_pad, m_pad, saved);
+        double sums[2] = {0, 0};  // the host path: the loss is returned now
+        device_memory<Backend>::download(sums, sum_.data(), sizeof(sums));
+        return loss(sums);
+    }
+
+    /// compute() leaving the loss in backend memory: `sums` (two doubles of Backend's memory) get the
+    /// squared differences' sum and the number of unpadded query rows; loss() turns them into the loss
+    /// once the caller has read them. The gradient (with_grad) takes its scale 2/(rows·D) from the
+    /// count on the backend (scale_by_count), so nothing is read on the host here. With every query row
+    /// padded the gradient pass runs on zeros and adds nothing.
+    template <class Compression>
+    void queue(const layer_norm<T, DM, Backend>* norm, const relative_attention<T, Config, Backend>& attn,
+               Compression& compress, view<const T, DM, Backend> h, view<const T, DM, Backend> m, index_t batch,
+               bool with_grad, double* sums, const std::uint8_t* h_pad = nullptr, const std::uint8_t* m_pad = nullptr,
+               const saved_forward& saved = {}) {
         const index_t qb = h.rows(), mb = m.rows(), cb = compress.compressed_rows(mb, batch);
         const index_t q_len = qb / batch, m_len = mb / batch, c_len = cb / batch;
         view<T, DM, Backend> cm(cm_.ensure(cb * D), cb, D);
@@ -136,16 +152,11 @@ public:
         // MSE over the unpadded query rows, summed in double in a fixed order; d out_c = 2 (out_c − out_m) / N.
         T* diff = diff_.ensure(qb * D);
         kernels::squared_difference_rows(qb, index_t(D), out_c.data(), index_t(D), out_m.data(), index_t(D), h_pad, diff,
-                                   index_t(D), sum_.ensure(2));
-        double sum[2] = {0, 0};  // the host path: the loss is returned now (the sum, the rows counted)
-        device_memory<Backend>::download(sum, sum_.data(), sizeof(sum));
-        const index_t n = index_t(sum[1]) * D;
-        if (n == 0) return T(0);
-        const T loss = T(sum[0] / double(n));
-        if (!with_grad || !Compression::has_parameters) return loss;
+                                   index_t(D), sums);
+        if (!with_grad || !Compression::has_parameters) return;
 
-        const T g = T(2) / T(n);
-        kernels::scale(1, qb * D, diff, qb * D, g, diff, qb * D);  // now d loss / d out_c (0 on padded rows)
+        // now d loss / d out_c = 2 (out_c − out_m) / N (0 on padded rows)
+        kernels::scale_by_count(qb * D, diff, sums + 1, index_t(D), T(2));
         view<T, DM, Backend> dkc(dkc_.ensure(cb * D), cb, D), dvc(dvc_.ensure(cb * D), cb, D),
             dcn(dcn_.ensure(cb * D), cb, D), dcm(dcm_.ensure(cb * D), cb, D);
         T* da = da_.ensure(batch * H * q_len * c_len);
@@ -155,7 +166,12 @@ public:
         attn.value().backward_input(dvc, dcn, true);
         if (norm) norm->backward_input(cm, dcn, dcm, st_c);
         compress.backward(m, batch, norm ? dcm : dcn, view<T, DM, Backend>());
-        return loss;
+    }
+
+    /// The loss from queue()'s two sums, read on the host: sum / (rows·D) in T; 0 with no row.
+    T loss(const double sums[2]) const {
+        const index_t n = index_t(sums[1]) * D;
+        return n == 0 ? T(0) : T(sums[0] / double(n));
     }
 
 private:
@@ -165,7 +181,7 @@ private:
     buffer<T, Backend> cm_, hn_, mn_, cn_, q_, km_, vm_, kc_, vc_, out_m_, out_c_, a_m_, a_c_, diff_;
     buffer<T, Backend> st_c_, st_c_r_;
     buffer<T, Backend> dkc_, dvc_, dcn_, dcm_, da_;
-    buffer<double, Backend> sum_;  // the squared differences' sum and the rows counted
+    buffer<double, Backend> sum_;  // compute()'s sums: the squared differences' sum and the rows counted
     buffer<std::uint8_t, Backend> keep_m_, keep_c_, any_m_, any_c_;
 };
 

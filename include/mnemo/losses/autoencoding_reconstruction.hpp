@@ -154,9 +154,22 @@ public:
     /// The loss for m [n·Rate·batch, D] (the slots just compressed away; rows a multiple of
     /// Rate·batch); 0 for an empty m. When `with_grad`, g's and f_c's parameter gradients +=
     /// d loss / d θ; no other gradient is touched. Runs f_c.forward, overwriting what f_c kept (see
-    /// the header comment: call after the memory merge).
+    /// the header comment: call after the memory merge). queue() and loss() with one read on the host.
     template <class Compression>
     double compute(Compression& f_c, decoder_type& g, view<const T, D, Backend> m, index_t batch, bool with_grad) {
+        const index_t n = queue(f_c, g, m, batch, with_grad, sum_.ensure(2));
+        double sum = 0;  // the host path: the loss is returned now
+        if (n > 0) device_memory<Backend>::download(&sum, sum_.data(), sizeof(double));
+        return loss(sum, n);
+    }
+
+    /// compute() leaving the loss in backend memory: `sums` (two doubles of Backend's memory) get the
+    /// squared differences' sum (sums[0]) and a row count; returns the number of elements N the mean
+    /// runs over (known on the host; 0 for an empty m, when nothing is written). The loss is
+    /// loss(sums[0], N) once the caller reads the sum.
+    template <class Compression>
+    index_t queue(Compression& f_c, decoder_type& g, view<const T, D, Backend> m, index_t batch, bool with_grad,
+                  double* sums) {
         static_assert(Compression::rate == Rate, "mnemo: autoencoding_reconstruction: the compression function's "
                                                  "rate differs from the decoder's");
         static_assert(Compression::features == D, "mnemo: autoencoding_reconstruction: the compression function's "
@@ -167,7 +180,7 @@ public:
         MNEMO_CHECK(batch > 0, "autoencoding_reconstruction: batch must be positive, got ", batch);
         MNEMO_CHECK(mb % (c_ * batch) == 0, "autoencoding_reconstruction: memory has ", mb,
                     " rows, not a multiple of compression rate ", index_t(c_), " x batch ", batch, " = ", c_ * batch);
-        if (mb == 0) return 0.0;
+        if (mb == 0) return 0;
         const index_t cb = mb / c_;
         view<T, D, Backend> cm(cm_.ensure(cb * d_), cb, d_), y(y_.ensure(mb * d_), mb, d_);
         f_c.forward(m, batch, cm);
@@ -176,11 +189,8 @@ public:
         // MSE, summed in double in a fixed order; y becomes y − m.
         const index_t n = mb * d_;
         kernels::squared_difference_rows(mb, index_t(d_), y.data(), y.ld(), m.data(), m.ld(), nullptr, y.data(), y.ld(),
-                                   sum_.ensure(2));
-        double sum = 0;  // the host path: the loss is returned now
-        device_memory<Backend>::download(&sum, sum_.data(), sizeof(double));
-        const double loss = sum / double(n);
-        if (!with_grad) return loss;
+                                   sums);
+        if (!with_grad) return n;
 
         const T scale = static_cast<T>(2.0 / double(n));
         kernels::scale(mb, index_t(d_), y.data(), y.ld(), scale, y.data(), y.ld());  // now d loss / d y
@@ -191,13 +201,16 @@ public:
         } else {
             g.backward(view<const T, D, Backend>(cm), batch, view<const T, D, Backend>(y), view<T, D, Backend>());
         }
-        return loss;
+        return n;
     }
+
+    /// The loss from queue()'s sum (read on the host) and element count.
+    static double loss(double sum, index_t n) { return n > 0 ? sum / double(n) : 0.0; }
 
 private:
     using kernels = checked_ops<Backend>;
     buffer<T, Backend> cm_, y_, dcm_;  // f_c(m) [n·batch, D], g(cm) then its gradient [n·Rate·batch, D], d cm
-    buffer<double, Backend> sum_;      // the squared differences' sum
+    buffer<double, Backend> sum_;      // compute()'s sums (the squared differences' sum, the rows)
 };
 
 }  // namespace mnemo

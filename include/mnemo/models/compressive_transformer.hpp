@@ -594,11 +594,10 @@ public:
     /// Mean cross-entropy of the last forward's logits against targets [Q·B] (negative: ignored).
     /// With `with_grad`, keeps d loss / d logits for backward().
     double cross_entropy(std::span<const token_t> targets, bool with_grad) {
-        MNEMO_CHECK(index_t(targets.size()) == rows_, "compressive_transformer: ", targets.size(), " targets for ",
-                    rows_, " positions");
-        const double loss = ce_(rows_, options_.vocab, logits_.data(), targets, d_logits_.ensure(rows_ * options_.vocab));
-        has_d_logits_ = with_grad;
-        return loss;
+        queue_cross_entropy(targets, with_grad);
+        double sum = 0;
+        device_memory<Backend>::download(&sum, loss_sums_.data(), sizeof(double));
+        return cross_entropy_loss<T, Backend>::mean(sum, pending_.ce_counted);
     }
 
     /// The reconstruction loss (attention reconstruction, or auto-encoding with
@@ -606,35 +605,11 @@ public:
     /// compressed (0 when none). With `with_grad`, only the compression functions' (and the decoders')
     /// gradients +=.
     double reconstruction_loss(const memory_type& mem, bool with_grad) {
-        if (mem.compressed_away_slots() == 0) return 0.0;
-        double total = 0;
-        for (index_t s = 0; s < n_memory_layers(); ++s) {
-            const index_t l = memory_layer(s);
-            auto& layer = layers_[std::size_t(l)];
-            if (options_.reconstruction == reconstruction_kind::autoencoding) {
-                if constexpr (can_compress)
-                    total += ae_.compute(layer.compress(), layer.decoder(), mem.compressed_away(s), batch_, with_grad);
-            } else {
-                // h is this layer's input of the last forward, whose queries the attention kept (the
-                // parameters unchanged since). When the merge since that forward compressed the oldest
-                // slots of its [mem, x], the layer kept their normalised values too (pre-LN).
-                const auto away = mem.compressed_away(s);
-                typename decltype(ar_)::saved_forward saved{};
-                if (params_.version() == last_.version) {
-                    saved.queries = layer.self_attn().queries();
-                    if (mem.epoch() == last_.epoch && mem.batch() == last_.batch &&
-                        mem.mem_first_id() - mem.compressed_away_slots() == last_.m_first)
-                        saved.normalized_m = layer.normalised_memory_rows(away.rows());
-                }
-                total += double(ar_.compute(layer.attention_input_norm(), layer.self_attn(), layer.compress(),
-                                            view<const T, DM, Backend>(x(l)), away, batch_, with_grad,
-                                            seg_padded_ ? seg_pad_dev_.data() : nullptr,
-                                            padding_active_ ? away_pad_.upload({mem.compressed_away_pad(), std::size_t(away.rows())})
-                                                            : nullptr,
-                                            saved));
-            }
-        }
-        return total;
+        queue_reconstruction(mem, with_grad);
+        if (!pending_.ar) return 0.0;
+        device_memory<Backend>::download(loss_host_.data() + 1, loss_sums_.data() + 1,
+                                         sizeof(double) * std::size_t(2 * n_memory_layers()));
+        return reconstruction_total();
     }
 
     /// Parameter gradients += d CE / d θ through the whole model (after cross_entropy(..., true)).
@@ -659,26 +634,53 @@ public:
     /// Parameter gradients +=; the caller zeroes them, clips and steps the optimizer.
     segment_losses train_segment(std::span<const token_t> tokens, std::span<const token_t> targets, index_t batch,
                                  memory_type& mem) {
-        MNEMO_CHECK(grad_enabled_, "compressive_transformer: train_segment with gradients disabled "
-                    "(set_grad_enabled(false)); enable them first");
-        forward(tokens, batch, mem);
-        segment_losses out;
-        out.compressed = update_memory(mem);
-        out.ce = cross_entropy(targets, true);
-        out.ar = reconstruction_loss(mem, true);
-        backward(tokens);
-        return out;
+        queue_train_segment(tokens, targets, batch, mem);
+        return read_losses();
     }
 
     /// The same without gradients (evaluation): the memory is still carried and compressed.
     segment_losses eval_segment(std::span<const token_t> tokens, std::span<const token_t> targets, index_t batch,
                                 memory_type& mem) {
+        queue_eval_segment(tokens, targets, batch, mem);
+        return read_losses();
+    }
+
+    /// train_segment leaving the losses in backend memory: nothing is read on the host (no wait for a
+    /// GPU) until read_losses(). train_segment is this and read_losses().
+    void queue_train_segment(std::span<const token_t> tokens, std::span<const token_t> targets, index_t batch,
+                             memory_type& mem) {
+        MNEMO_CHECK(grad_enabled_, "compressive_transformer: train_segment with gradients disabled "
+                    "(set_grad_enabled(false)); enable them first");
         forward(tokens, batch, mem);
-        segment_losses out;
-        out.compressed = update_memory(mem);
-        out.ce = cross_entropy(targets, false);
-        out.ar = reconstruction_loss(mem, false);
-        return out;
+        const index_t compressed = update_memory(mem);
+        queue_cross_entropy(targets, true);
+        queue_reconstruction(mem, true);
+        pending_.compressed = compressed;
+        pending_.segment = true;
+        backward(tokens);
+    }
+
+    /// eval_segment leaving the losses in backend memory until read_losses().
+    void queue_eval_segment(std::span<const token_t> tokens, std::span<const token_t> targets, index_t batch,
+                            memory_type& mem) {
+        forward(tokens, batch, mem);
+        const index_t compressed = update_memory(mem);
+        queue_cross_entropy(targets, false);
+        queue_reconstruction(mem, false);
+        pending_.compressed = compressed;
+        pending_.segment = true;
+    }
+
+    /// The losses of the last queued segment (queue_train_segment, queue_eval_segment), read in one
+    /// transfer from backend memory: bitwise what train_segment / eval_segment return.
+    segment_losses read_losses() {
+        MNEMO_CHECK(pending_.segment, "compressive_transformer: read_losses without a queued segment "
+                    "(queue_train_segment or queue_eval_segment first)");
+        const std::size_t n = pending_.ar ? std::size_t(1 + 2 * n_memory_layers()) : 1;
+        device_memory<Backend>::download(loss_host_.data(), loss_sums_.data(), sizeof(double) * n);
+        return {.ce = cross_entropy_loss<T, Backend>::mean(loss_host_[0], pending_.ce_counted),
+                .ar = pending_.ar ? reconstruction_total() : 0.0,
+                .compressed = pending_.compressed};
     }
 
     // Padding (a pad mask that travels with the tokens into the memory and the compressed memory):
@@ -713,6 +715,20 @@ public:
         next_pad_ = pad;
         next_pad_set_ = true;
         return eval_segment(tokens, targets, batch, mem);
+    }
+    /// queue_train_segment with a pad mask.
+    void queue_train_segment(std::span<const token_t> tokens, std::span<const token_t> targets, index_t batch,
+                             memory_type& mem, std::span<const std::uint8_t> pad) {
+        next_pad_ = pad;
+        next_pad_set_ = true;
+        queue_train_segment(tokens, targets, batch, mem);
+    }
+    /// queue_eval_segment with a pad mask.
+    void queue_eval_segment(std::span<const token_t> tokens, std::span<const token_t> targets, index_t batch,
+                            memory_type& mem, std::span<const std::uint8_t> pad) {
+        next_pad_ = pad;
+        next_pad_set_ = true;
+        queue_eval_segment(tokens, targets, batch, mem);
     }
     /// Transformer-XL's clamp_len for every layer: relative distances above it use the embedding of
     /// distance clamp_len (relative_attention::set_clamp_len); <= 0: off (the default). A runtime
@@ -858,6 +874,83 @@ private:
     /// Key positions of this forward ([c_mem, mem, segment]) already projected by the last one: the
     /// compressed slots both hold, and the memory slots that were the last forward's memory or its
     /// segment (which the merge in between appended to the memory).
+    // The losses wait in loss_sums_ (backend memory): [0] the cross-entropy's sum, then per memory
+    // layer s the reconstruction's two sums at [1 + 2s, 3 + 2s). pending_ keeps, on the host, what
+    // turns them into losses; read_losses() reads them in one transfer into loss_host_.
+    struct pending_losses {
+        bool segment = false;        // a whole segment was queued (read_losses may read)
+        bool ar = false;             // the reconstruction sums were written (something was compressed)
+        index_t ce_counted = 0;      // the cross-entropy's counted rows
+        index_t compressed = 0;      // the merge's compressed slots
+        std::vector<index_t> ae_elements;  // per memory layer, the auto-encoding mean's element count
+    };
+
+    void ensure_loss_slots() {
+        const std::size_t n = std::size_t(1 + 2 * n_memory_layers());
+        loss_sums_.ensure(index_t(n));
+        loss_host_.resize(n);
+        pending_.ae_elements.resize(std::size_t(n_memory_layers()));
+    }
+
+    void queue_cross_entropy(std::span<const token_t> targets, bool with_grad) {
+        MNEMO_CHECK(index_t(targets.size()) == rows_, "compressive_transformer: ", targets.size(), " targets for ",
+                    rows_, " positions");
+        ensure_loss_slots();
+        pending_.segment = false;  // until a whole segment is queued again
+        pending_.ce_counted = ce_.queue(rows_, options_.vocab, logits_.data(), targets,
+                                        d_logits_.ensure(rows_ * options_.vocab), loss_sums_.data());
+        has_d_logits_ = with_grad;
+    }
+
+    // Queues every memory layer's reconstruction loss for the slots the last merge compressed.
+    void queue_reconstruction(const memory_type& mem, bool with_grad) {
+        ensure_loss_slots();
+        pending_.ar = mem.compressed_away_slots() > 0;
+        if (!pending_.ar) return;
+        for (index_t s = 0; s < n_memory_layers(); ++s) {
+            const index_t l = memory_layer(s);
+            auto& layer = layers_[std::size_t(l)];
+            double* sums = loss_sums_.data() + 1 + 2 * s;
+            if (options_.reconstruction == reconstruction_kind::autoencoding) {
+                pending_.ae_elements[std::size_t(s)] = 0;  // no element: a loss of 0, the sums unread
+                if constexpr (can_compress)
+                    pending_.ae_elements[std::size_t(s)] =
+                        ae_.queue(layer.compress(), layer.decoder(), mem.compressed_away(s), batch_, with_grad, sums);
+            } else {
+                // h is this layer's input of the last forward, whose queries the attention kept (the
+                // parameters unchanged since). When the merge since that forward compressed the oldest
+                // slots of its [mem, x], the layer kept their normalised values too (pre-LN).
+                const auto away = mem.compressed_away(s);
+                typename decltype(ar_)::saved_forward saved{};
+                if (params_.version() == last_.version) {
+                    saved.queries = layer.self_attn().queries();
+                    if (mem.epoch() == last_.epoch && mem.batch() == last_.batch &&
+                        mem.mem_first_id() - mem.compressed_away_slots() == last_.m_first)
+                        saved.normalized_m = layer.normalised_memory_rows(away.rows());
+                }
+                ar_.queue(layer.attention_input_norm(), layer.self_attn(), layer.compress(),
+                          view<const T, DM, Backend>(x(l)), away, batch_, with_grad, sums,
+                          seg_padded_ ? seg_pad_dev_.data() : nullptr,
+                          padding_active_ ? away_pad_.upload({mem.compressed_away_pad(), std::size_t(away.rows())})
+                                          : nullptr,
+                          saved);
+            }
+        }
+    }
+
+    // Σ over the memory layers of their reconstruction losses, from the sums in loss_host_.
+    double reconstruction_total() const {
+        double total = 0;
+        for (index_t s = 0; s < n_memory_layers(); ++s) {
+            const double* sums = loss_host_.data() + 1 + 2 * s;
+            if (options_.reconstruction == reconstruction_kind::autoencoding)
+                total += decltype(ae_)::loss(sums[0], pending_.ae_elements[std::size_t(s)]);
+            else
+                total += double(ar_.loss(sums));
+        }
+        return total;
+    }
+
     kv_reuse memory_reuse(const memory_type& mem, index_t batch) const {
         kv_reuse r;
         if (!cache_projections_ || !last_.valid || last_.epoch != mem.epoch() || last_.version != params_.version() ||
@@ -879,6 +972,9 @@ private:
     std::vector<buffer<T, Backend>> xs_;  // layer inputs [Q·B, D]; xs_[L] is the last layer's output
     buffer<T, Backend> hn_, logits_, d_logits_, dhn_;
     cross_entropy_loss<T, Backend> ce_;
+    buffer<double, Backend> loss_sums_;
+    std::vector<double> loss_host_;
+    pending_losses pending_;
     buffer<T, Backend> dx_[2];
     // Most-used: per memory slot, the last forward's usage of every key row [(c_mem + mem + Q)·B], of
     // which the memory's rows start at usage_offset_ and number usage_rows_.

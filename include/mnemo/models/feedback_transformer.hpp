@@ -351,11 +351,8 @@ public:
     /// Mean cross-entropy of the last forward's logits against targets [T·B] (negative: ignored).
     /// With `with_grad`, keeps d loss / d logits for backward().
     double cross_entropy(std::span<const token_t> targets, bool with_grad) {
-        MNEMO_CHECK(index_t(targets.size()) == rows_, "feedback_transformer: ", targets.size(), " targets for ", rows_,
-                    " positions");
-        const double loss = ce_(rows_, options_.vocab, logits_.data(), targets, d_logits_.ensure(rows_ * options_.vocab));
-        has_d_logits_ = with_grad;
-        return loss;
+        queue_cross_entropy(targets, with_grad);
+        return read_cross_entropy();
     }
 
     /// Parameter gradients += d CE / d θ, back through time over the whole sequence (after
@@ -416,16 +413,35 @@ public:
     /// One training sequence: forward, cross-entropy, backward. Returns the mean CE; parameter
     /// gradients +=, the caller zeroes them, clips and steps the optimizer.
     double train_segment(std::span<const token_t> tokens, std::span<const token_t> targets, index_t batch) {
-        forward(tokens, batch);
-        const double ce = cross_entropy(targets, true);
-        backward(tokens);
-        return ce;
+        queue_train_segment(tokens, targets, batch);
+        return read_loss();
     }
 
     /// The same without gradients (evaluation).
     double eval_segment(std::span<const token_t> tokens, std::span<const token_t> targets, index_t batch) {
+        queue_eval_segment(tokens, targets, batch);
+        return read_loss();
+    }
+
+    /// train_segment leaving the loss in backend memory until read_loss() (the mix weights' softmax
+    /// still reads L + 1 values on the host in forward and backward).
+    void queue_train_segment(std::span<const token_t> tokens, std::span<const token_t> targets, index_t batch) {
         forward(tokens, batch);
-        return cross_entropy(targets, false);
+        queue_cross_entropy(targets, true);
+        backward(tokens);
+        loss_queued_ = true;
+    }
+    /// eval_segment leaving the loss in backend memory until read_loss().
+    void queue_eval_segment(std::span<const token_t> tokens, std::span<const token_t> targets, index_t batch) {
+        forward(tokens, batch);
+        queue_cross_entropy(targets, false);
+        loss_queued_ = true;
+    }
+    /// The mean cross-entropy of the last queued sequence, read from backend memory.
+    double read_loss() {
+        MNEMO_CHECK(loss_queued_, "feedback_transformer: read_loss without a queued sequence "
+                    "(queue_train_segment or queue_eval_segment first)");
+        return read_cross_entropy();
     }
 
     /// A token-by-token generator over this model (see feedback_generator).
@@ -603,6 +619,23 @@ private:
     std::vector<const T*> mix_inputs_;                   // [L + 1]: y_l's rows of the step being mixed
     buffer<T, Backend> mix_dots_;                        // [L + 1]: G_l, then dw, on the backend
     cross_entropy_loss<T, Backend> ce_;
+    buffer<double, Backend> ce_sum_;  // the queued cross-entropy's sum (backend memory)
+    index_t ce_counted_ = 0;          // and its counted rows
+    bool loss_queued_ = false;
+
+    void queue_cross_entropy(std::span<const token_t> targets, bool with_grad) {
+        MNEMO_CHECK(index_t(targets.size()) == rows_, "feedback_transformer: ", targets.size(), " targets for ", rows_,
+                    " positions");
+        loss_queued_ = false;
+        ce_counted_ = ce_.queue(rows_, options_.vocab, logits_.data(), targets, d_logits_.ensure(rows_ * options_.vocab),
+                                ce_sum_.ensure(1));
+        has_d_logits_ = with_grad;
+    }
+    double read_cross_entropy() {
+        double sum = 0;
+        device_memory<Backend>::download(&sum, ce_sum_.data(), sizeof(double));
+        return cross_entropy_loss<T, Backend>::mean(sum, ce_counted_);
+    }
 
     index_t batch_ = 0, rows_ = 0, steps_ = 0;
     bool has_d_logits_ = false;

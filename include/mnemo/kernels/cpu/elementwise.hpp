@@ -133,6 +133,16 @@ struct elementwise {
         });
     }
 
+    /// x[i] *= numerator / T(index_t(count[0]) · per_count) for i in [0, n); x = 0 when count[0] is 0.
+    /// count is a count kept in backend memory (a reconstruction loss's unpadded rows), so the scale
+    /// of a mean's gradient needs no read on the host. The factor is formed in T, then multiplies.
+    template <class T>
+    static void scale_by_count(index_t n, T* x, const double* count, index_t per_count, T numerator) {
+        const index_t m = index_t(count[0]) * per_count;
+        const T s = m > 0 ? numerator / T(m) : T(0);
+        scale(1, n, x, n, s, x, n);
+    }
+
     /// y[i, :] = table[ids[i], :]   (ids already checked to lie in [0, rows of table))
     template <class T, class I>
     static void gather_rows(index_t rows, index_t n, const I* ids, const T* table, index_t ldt, T* y, index_t ldy) {

@@ -184,6 +184,9 @@ template <class T>
 void scale_shift_rows(index_t rows, index_t n, const T* x, index_t ldx, const T* g, const T* b, T* y, index_t ldy);
 template <class T>
 void sum_as_double(index_t n, const T* x, double* sum);
+/// x *= numerator / (index_t(count[0])·per_count), 0 when the count is 0; count in device memory.
+template <class T>
+void scale_by_count(index_t n, T* x, const double* count, index_t per_count, T numerator);
 template <class T>
 void axpy(index_t n, T a, const T* x, T* y);
 /// y = Σ_i w[i]·x[i] over rows × d; x (device pointers) and w come from the host, at most

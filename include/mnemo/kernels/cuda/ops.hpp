@@ -339,6 +339,10 @@ struct ops<cuda> {
         cuda_kernels::sum_as_double(n, x, sum);
     }
     template <class T>
+    static void scale_by_count(index_t n, T* x, const double* count, index_t per_count, T numerator) {
+        cuda_kernels::scale_by_count(n, x, count, per_count, numerator);
+    }
+    template <class T>
     static void axpy(index_t n, T a, const T* x, T* y) {
         cuda_kernels::axpy(n, a, x, y);
     }
