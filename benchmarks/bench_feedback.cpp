@@ -10,14 +10,22 @@
 // Counters: tokens_per_second (the items rate: seq_len · batch tokens per training step, batch per
 // generation step) and ms_per_step (one training step; one generation step of the whole batch, averaged
 // over a sequence of seq_len steps from an empty memory, i.e. over slot counts 0 … seq_len − 1).
+// Generation rows also report MB_per_step, the bytes one step must read at least (step_bytes below),
+// and roofline_frac, that rate over this machine's DRAM read bandwidth measured in the same process
+// (benchmarks/peak.hpp); small's weights fit in the caches, so its fraction passes 1.
 #include <benchmark/benchmark.h>
+#include <omp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <span>
+#include <string>
 #include <vector>
 
 #include <mnemo/models/feedback_transformer.hpp>
 #include <mnemo/train/optimizer.hpp>
+
+#include "peak.hpp"
 
 namespace {
 
@@ -64,6 +72,27 @@ void BM_train_step(benchmark::State& state, shape s) {
     state.counters["ms_per_step"] = benchmark::Counter(1e3 * seconds / double(state.iterations()));
 }
 
+// The bytes one generation step of the whole batch must read at least, averaged over the sequence
+// (slot counts 0 … seq_len − 1): every weight in full except the embedding table (one row per batch
+// element) and the positional tables (the rows of the distances a step sees), and the cached keys and
+// values of the memory slots, one pair per layer (per-layer keys and values) or one in all (shared).
+template <class Model>
+double step_bytes(const Model& model, const shape& s) {
+    const double slots = double(s.seq_len - 1) / 2, d = double(Model::config::d_model), b = double(s.batch);
+    double elements = 0;
+    for (const mnemo::tensor_entry& e : model.parameters().entries()) {
+        if (e.name == "src_embed.weight")
+            elements += b * double(e.row_size());
+        else if (e.name.find("key_pos_") != std::string::npos)
+            elements += std::min(slots + 1, double(e.rows())) * double(e.row_size());
+        else
+            elements += double(e.size);
+    }
+    const double kv_sets = Model::kv_variant::shared ? 1.0 : double(s.n_layers);
+    elements += kv_sets * 2 * slots * b * d;
+    return elements * sizeof(float);
+}
+
 template <class Model>
 void BM_generate(benchmark::State& state, shape s) {
     Model model({.vocab = s.vocab, .n_layers = s.n_layers, .d_ff = s.d_ff, .n_pos = 4096});
@@ -89,6 +118,10 @@ void BM_generate(benchmark::State& state, shape s) {
     state.SetItemsProcessed(state.iterations() * s.seq_len * s.batch);
     state.counters["tokens_per_second"] = benchmark::Counter(steps * double(s.batch) / seconds);
     state.counters["ms_per_step"] = benchmark::Counter(1e3 * seconds / steps);
+    const double bytes = step_bytes(model, s);
+    state.counters["MB_per_step"] = bytes / 1e6;
+    state.counters["roofline_frac"] =
+        benchmark::Counter(bytes * steps / seconds / 1e9 / mnemo_bench::read_bandwidth_gbs(omp_get_max_threads()));
 }
 
 using ref_cfg = mnemo::config<512, 8>;

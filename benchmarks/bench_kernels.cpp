@@ -4,6 +4,7 @@
 //   ./build/benchmarks/bench_kernels                       everything, 1 and 2 threads
 //   ./build/benchmarks/bench_kernels --benchmark_filter=gemm
 //
+// BM_read_bandwidth measures the DRAM read bandwidth, the roofline of memory-bound work (generation).
 // BM_peak_fp32 measures the peak: independent FMA chains on registers, no memory traffic. The
 // GEMM rows report `peak_frac`, their GFLOP/s over the peak measured in the same run with the same
 // thread count. BM_gemm and BM_gemm_model go through K::gemm_*, i.e. the packed AVX-512 kernel or
@@ -49,7 +50,20 @@ void BM_peak_fp32(benchmark::State& state) {
     state.counters["peak_GFLOPs"] = state.counters["GFLOPs"];
     state.counters["peak_frac"] = 1.0;
     state.counters["threads"] = threads;
+    state.counters["read_GBps"] = mnemo_bench::read_bandwidth_gbs(threads);  // the other limit (BM_read_bandwidth)
     state.SetLabel("simd width " + std::to_string(mnemo::simd::width<float>) + " floats");
+}
+
+// The roofline of memory-bound work: DRAM read bandwidth, each thread summing its share of a 512 MiB
+// buffer (peak.hpp; bench_models' generation rows report their roofline_frac against it).
+void BM_read_bandwidth(benchmark::State& state) {
+    const int threads = static_cast<int>(state.range(0));
+    mnemo_bench::read_buffer();  // allocated and touched outside the timing
+    double gbs = 0;
+    for (auto _ : state) gbs = std::max(gbs, mnemo_bench::run_read(threads));
+    state.counters["read_GBps"] = gbs;  // best pass
+    state.counters["threads"] = threads;
+    state.SetLabel("bytes " + std::to_string(mnemo_bench::read_buffer_bytes >> 20) + " MiB");
 }
 
 // C[M,N] = A·op(B) for the three forms; shape m × n × k.
@@ -213,6 +227,7 @@ void BM_gemm_packed_model(benchmark::State& state, form f) { BM_gemm(state, f, p
 }  // namespace
 
 BENCHMARK(BM_peak_fp32)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_read_bandwidth)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_gemm, nn, nn)->Apply(gemm_shapes)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_gemm, nt, nt)->Apply(gemm_shapes)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_gemm, tn, tn)->Apply(gemm_shapes)->UseRealTime()->Unit(benchmark::kMillisecond);

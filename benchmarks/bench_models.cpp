@@ -9,10 +9,15 @@
 // Configurations A, B, C: model_shapes.hpp.
 // Counters: tokens/s, ms per step, GFLOP/s of the step's dense arithmetic (counted below), and
 // peak_frac, that rate over this machine's FP32 peak measured in the same process (peak.hpp).
+// Cached generation rows: MB/token, the bytes a token must read (generation_bytes below), bytes_read
+// (that per second), and
+// roofline_frac, that rate over this machine's read bandwidth measured in the same process.
 #include <benchmark/benchmark.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <chrono>
+#include <string>
 #include <vector>
 
 #include <mnemo/mnemo.hpp>
@@ -49,6 +54,42 @@ double forward_flops(const shape& s, bool absorbed = false) {
 void add_peak_frac(benchmark::State& state, double flops_per_iter) {
     const double peak = mnemo_bench::peak_gflops(omp_get_max_threads());
     state.counters["peak_frac"] = benchmark::Counter(flops_per_iter / 1e9 / peak, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// The bytes one cached generation step (batch 1) must read at least, from the model's own parameter
+// list: every weight the token multiplies by in full; of the embedding table one row; of the
+// positional tables the rows of the distances the token sees (c_mem + mem + 1); the compression
+// function's weights over the rate (it runs once every `rate` tokens); and per memory layer the
+// cached projected keys and values of the memory, 2·(mem + c_mem)·D. Activations (a few rows of D and
+// d_ff) are left out.
+template <class Model>
+double generation_bytes(const Model& model, const shape& s) {
+    const double keys = double(s.mem + s.c_mem + 1), rate = double(Model::config::compression_rate);
+    const double d = double(Model::config::d_model);
+    const auto has = [](const std::string& name, const char* part) { return name.find(part) != std::string::npos; };
+    double elements = 0;
+    for (const mnemo::tensor_entry& e : model.parameters().entries()) {
+        if (e.name == "src_embed.weight")
+            elements += double(e.row_size());
+        else if (has(e.name, "_pos_embeddings") || has(e.name, "key_pos_bias"))
+            elements += std::min(keys, double(e.rows())) * double(e.row_size());
+        else if (has(e.name, ".compress."))
+            elements += double(e.size) / rate;
+        else
+            elements += double(e.size);
+    }
+    elements += double(model.n_memory_layers()) * 2 * double(s.mem + s.c_mem) * d;
+    return elements * sizeof(float);
+}
+
+// bytes_read per second of a memory-bound row (bytes_per_iter each iteration) and roofline_frac, that rate over this
+// machine's read bandwidth measured in the same process at the same thread count (peak.hpp).
+void add_roofline_frac(benchmark::State& state, double bytes_per_iter) {
+    const double roofline = mnemo_bench::read_bandwidth_gbs(omp_get_max_threads());
+    state.counters["bytes_read"] = benchmark::Counter(bytes_per_iter, benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["roofline_frac"] =
+        benchmark::Counter(bytes_per_iter / 1e9 / roofline, benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["MB/token"] = bytes_per_iter / 1e6;
 }
 
 // Brings the memory to its steady state (full memory and compressed memory).
@@ -132,6 +173,7 @@ void BM_generate(benchmark::State& state, shape s, bool cached = true) {
     }
     state.counters["tokens/s"] = benchmark::Counter(1, benchmark::Counter::kIsIterationInvariantRate);
     state.counters["ms/token"] = benchmark::Counter(1e-3, benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+    if (cached) add_roofline_frac(state, generation_bytes(model, s));
 }
 
 // Scaling: the training step and per-token generation of configuration B's model (d_model 256, 8

@@ -1,7 +1,8 @@
 #pragma once
-// This machine's FP32 peak, measured: independent FMA chains on registers, no memory traffic, on
-// `threads` OpenMP threads. Shared by the benchmark binaries so that every `peak_frac` counter is
-// relative to the peak measured in the same process, at the same thread count.
+// This machine's two limits, measured in the process that reports against them, at the same thread
+// count: the FP32 peak (independent FMA chains on registers, no memory traffic; every `peak_frac`
+// counter) and the DRAM read bandwidth (a SIMD sum over a buffer far larger than the last-level
+// cache; every `roofline_frac` counter of a memory-bound row, such as cached generation).
 #include <benchmark/benchmark.h>
 #include <omp.h>
 
@@ -9,6 +10,7 @@
 #include <chrono>
 #include <cstdint>
 #include <map>
+#include <memory>
 
 #include <mnemo/kernels/cpu/simd.hpp>
 
@@ -45,6 +47,61 @@ inline double peak_gflops(int threads) {
     if (it != cache.end()) return it->second;
     double best = 0;
     for (int i = 0; i < 5; ++i) best = std::max(best, run_peak(threads, 4'000'000));
+    return cache[threads] = best;
+}
+
+/// Bytes of the read-bandwidth buffer: 512 MiB, far past any last-level cache these machines have
+/// (Zen 3/4/5: 32 MiB per CCD).
+inline constexpr std::size_t read_buffer_bytes = std::size_t(512) << 20;
+
+/// The buffer, allocated and first touched once per process by 2 threads (pages spread as a
+/// 2-thread read will use them), filled with 1.0f.
+inline const float* read_buffer() {
+    static std::unique_ptr<float[]> buf = [] {
+        const std::size_t n = read_buffer_bytes / sizeof(float);
+        std::unique_ptr<float[]> b(new float[n]);
+#pragma omp parallel for num_threads(2) schedule(static)
+        for (std::int64_t i = 0; i < std::int64_t(n); ++i) b[std::size_t(i)] = 1.0f;
+        return b;
+    }();
+    return buf.get();
+}
+
+/// GB/s of `threads` threads each summing its contiguous share of read_buffer() once (four
+/// independent SIMD accumulators per thread), timed with a wall clock.
+inline double run_read(int threads) {
+    using B = mnemo::simd::batch<float>;
+    constexpr std::size_t W = B::size;
+    const float* x = read_buffer();
+    const std::size_t n = read_buffer_bytes / sizeof(float), share = n / std::size_t(threads) / (4 * W) * (4 * W);
+    double sink = 0;
+    const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+    {
+        const float* p = x + std::size_t(omp_get_thread_num()) * share;
+        B a0(0.0f), a1(0.0f), a2(0.0f), a3(0.0f);
+        for (std::size_t i = 0; i < share; i += 4 * W) {
+            a0 += B::load_unaligned(p + i);
+            a1 += B::load_unaligned(p + i + W);
+            a2 += B::load_unaligned(p + i + 2 * W);
+            a3 += B::load_unaligned(p + i + 3 * W);
+        }
+        sink += double(xsimd::hadd((a0 + a1) + (a2 + a3)));
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    benchmark::DoNotOptimize(sink);
+    return double(share * std::size_t(threads) * sizeof(float)) / seconds / 1e9;
+}
+
+/// The read bandwidth for a thread count in GB/s, measured once per process (best of five passes,
+/// after one pass that brings the pages in).
+inline double read_bandwidth_gbs(int threads) {
+    static std::map<int, double> cache;
+    auto it = cache.find(threads);
+    if (it != cache.end()) return it->second;
+    run_read(threads);
+    double best = 0;
+    for (int i = 0; i < 5; ++i) best = std::max(best, run_read(threads));
     return cache[threads] = best;
 }
 
