@@ -14,3 +14,6 @@ run(${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR}/build -DCMAKE_PREFIX_PATH=$
     -DCMAKE_BUILD_TYPE=Release -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF)
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run(${WORK_DIR}/build/downstream)
+if(EXISTS ${WORK_DIR}/build/downstream_cuda)  # the package was built with the CUDA backend
+  run(${WORK_DIR}/build/downstream_cuda)
+endif()
