@@ -7,9 +7,10 @@
 // BM_read_bandwidth measures the DRAM read bandwidth, the roofline of memory-bound work (generation).
 // BM_peak_fp32 measures the peak: independent FMA chains on registers, no memory traffic. The
 // GEMM rows report `peak_frac`, their GFLOP/s over the peak measured in the same run with the same
-// thread count. BM_gemm and BM_gemm_model go through K::gemm_*, i.e. the packed AVX-512 kernel or
+// thread count. BM_gemm and BM_gemm_model go through K::gemm_*, i.e. the packed kernel (AVX-512 or
+// AVX2, with the blocking chosen for this CPU: the label says which) or
 // OpenBLAS (a build with -DMNEMO_BLAS=ON) where gemm.hpp sends that shape (the label says which path
-// ran); BM_gemm_eigen_model always takes mnemo's Eigen path and BM_gemm_packed_model (AVX-512 builds)
+// ran); BM_gemm_eigen_model always takes mnemo's Eigen path and BM_gemm_packed_model (AVX2 or AVX-512 builds)
 // always the packed kernel, both on 2 and 1 threads, so one run compares them.
 //
 //   OMP_NUM_THREADS=2 ./build/benchmarks/bench_kernels --benchmark_filter=gemm.*model
@@ -70,7 +71,7 @@ void BM_read_bandwidth(benchmark::State& state) {
 enum form { nn, nt, tn };
 
 // Which implementation a GEMM row calls: K::gemm_* (whatever gemm.hpp dispatches to), mnemo's Eigen
-// path, or the packed AVX-512 kernel (gemm_packed.hpp).
+// path, or the packed kernel (gemm_packed.hpp).
 enum class path { dispatch, eigen, packed };
 
 void BM_gemm(benchmark::State& state, form f, path p = path::dispatch) {
@@ -87,7 +88,7 @@ void BM_gemm(benchmark::State& state, form f, path p = path::dispatch) {
                 case nt: K::gemm_nt_eigen(m, n, k, a.data(), k, b.data(), k, c.data(), n); break;
                 case tn: K::gemm_tn_eigen(m, n, k, a.data(), m, b.data(), n, c.data(), n); break;
             }
-#ifdef __AVX512F__
+#ifdef MNEMO_PACKED_GEMM
         } else if (p == path::packed) {
             switch (f) {
                 case nn: K::gemm_nn_packed(m, n, k, a.data(), k, b.data(), n, c.data(), n); break;
@@ -112,9 +113,12 @@ void BM_gemm(benchmark::State& state, form f, path p = path::dispatch) {
     state.counters["peak_GFLOPs"] = peak;
     state.counters["peak_frac"] = gflops / peak;  // against the FP32 peak, same thread count
     state.counters["threads"] = threads;
-    std::string label = p == path::packed ? "packed" : "eigen";
-#ifdef __AVX512F__
-    if (p == path::dispatch && K::use_packed(m, n, k)) label = "packed";
+    std::string label = "eigen";
+#ifdef MNEMO_PACKED_GEMM
+    // The packed kernel's instruction set and the blocking this CPU got (gemm_packed.hpp's traits).
+    using GP = mnemo::cpu_kernels::gemm_packed;
+    if (p == path::packed || (p == path::dispatch && K::use_packed(m, n, k)))
+        label = std::string("packed ") + GP::isa::name + " (blocking " + GP::tuning().measured_on + ")";
 #endif
 #ifdef MNEMO_USE_BLAS
     // OpenBLAS's kernels as it reports them: mnemo uses them only when as wide as its own (gemm.hpp).
@@ -220,7 +224,7 @@ void model_gemm_shapes_1_2(benchmark::internal::Benchmark* b) { model_gemm_shape
 
 void BM_gemm_model(benchmark::State& state, form f) { BM_gemm(state, f); }
 void BM_gemm_eigen_model(benchmark::State& state, form f) { BM_gemm(state, f, path::eigen); }
-#ifdef __AVX512F__
+#ifdef MNEMO_PACKED_GEMM
 void BM_gemm_packed_model(benchmark::State& state, form f) { BM_gemm(state, f, path::packed); }
 #endif
 
@@ -237,7 +241,7 @@ BENCHMARK_CAPTURE(BM_gemm_model, tn, tn)->Apply(model_gemm_shapes)->UseRealTime(
 BENCHMARK_CAPTURE(BM_gemm_eigen_model, nn, nn)->Apply(model_gemm_shapes_1_2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_gemm_eigen_model, nt, nt)->Apply(model_gemm_shapes_1_2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_gemm_eigen_model, tn, tn)->Apply(model_gemm_shapes_1_2)->UseRealTime()->Unit(benchmark::kMillisecond);
-#ifdef __AVX512F__
+#ifdef MNEMO_PACKED_GEMM
 BENCHMARK_CAPTURE(BM_gemm_packed_model, nn, nn)->Apply(model_gemm_shapes_1_2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_gemm_packed_model, nt, nt)->Apply(model_gemm_shapes_1_2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_gemm_packed_model, tn, tn)->Apply(model_gemm_shapes_1_2)->UseRealTime()->Unit(benchmark::kMillisecond);

@@ -116,7 +116,7 @@ TEST_CASE_TEMPLATE("gemm: the dispatching forms agree with the Eigen path; beta 
                     // Products of up to 2049 terms of [-1, 1]: compare on the scale of sqrt(k).
                     mnemo::testing::check_close("gemm", got, ref, tol * std::sqrt(double(s.k)), tol);
                     // Bitwise Eigen's where Eigen runs (the packed AVX-512 kernel rounds its own way).
-#ifdef __AVX512F__
+#ifdef MNEMO_PACKED_GEMM
                     const bool packed = std::is_same_v<T, float> && K::use_packed(s.m, s.n, s.k);
 #else
                     const bool packed = false;

@@ -1,8 +1,9 @@
-// The packed AVX-512 SGEMM (kernels/cpu/gemm_packed.hpp) against a double-precision reference on
-// tiny, odd and block-crossing shapes in the three forms, strided operands, beta 0 over NaN, beta 1,
-// beta 0.5 and alpha 2; the same bits on 1, 2 and 3 threads; no allocation in steady state; and
-// which float products gemm.hpp sends to it. Builds without AVX-512 have no packed path: the test
-// then only says so.
+// The packed SGEMM (kernels/cpu/gemm_packed.hpp: the AVX-512 kernel on AVX-512 builds, the AVX2 one
+// on AVX2 + FMA builds) against a double-precision reference on tiny, odd and block-crossing shapes
+// in the three forms, strided operands, beta 0 over NaN, beta 1, beta 0.5 and alpha 2; the same bits
+// on 1, 2 and 3 threads, with every tuning trait; no allocation in steady state; which float products
+// gemm.hpp sends to it; the CPU-model table the traits are chosen by. Builds without AVX2 + FMA have
+// no packed path: the test then only says so.
 #include <doctest/doctest.h>
 #include <omp.h>
 
@@ -11,10 +12,13 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <string>
 #include <initializer_list>
 #include <limits>
 #include <vector>
 
+#include <mnemo/kernels/cpu/cpu_model.hpp>
 #include <mnemo/kernels/cpu/ops.hpp>
 
 #include "allocation_counter.hpp"
@@ -23,7 +27,7 @@
 using mnemo::index_t;
 using K = mnemo::ops<mnemo::cpu>;
 
-#ifdef __AVX512F__
+#ifdef MNEMO_PACKED_GEMM
 using GP = mnemo::cpu_kernels::gemm_packed;
 
 namespace {
@@ -41,12 +45,20 @@ struct problem : mnemo::testing::gemm_operands<float> {
     double a_at(index_t i, index_t p) const { return f == tn ? a[p * lda + i] : a[i * lda + p]; }
     double b_at(index_t p, index_t j) const { return f == nt ? b[j * ldb + p] : b[p * ldb + j]; }
 
-    void run(float* out, float beta, float alpha, int threads) const {
+    /// Kernel Kernel (gemm_packed_t<isa>) blocked by `bl`.
+    template <class Kernel>
+    void run_kernel(float* out, float beta, float alpha, int threads, const mnemo::cpu_kernels::packed_blocking& bl) const {
         switch (f) {
-            case nn: GP::run<GP::form::nn>(m, n, k, a.data(), lda, b.data(), ldb, out, ldc, beta, alpha, threads); break;
-            case nt: GP::run<GP::form::nt>(m, n, k, a.data(), lda, b.data(), ldb, out, ldc, beta, alpha, threads); break;
-            case tn: GP::run<GP::form::tn>(m, n, k, a.data(), lda, b.data(), ldb, out, ldc, beta, alpha, threads); break;
+            case nn: Kernel::template run<Kernel::form::nn>(m, n, k, a.data(), lda, b.data(), ldb, out, ldc, beta, alpha, threads, bl); break;
+            case nt: Kernel::template run<Kernel::form::nt>(m, n, k, a.data(), lda, b.data(), ldb, out, ldc, beta, alpha, threads, bl); break;
+            case tn: Kernel::template run<Kernel::form::tn>(m, n, k, a.data(), lda, b.data(), ldb, out, ldc, beta, alpha, threads, bl); break;
         }
+    }
+    /// The kernel this build dispatches to, with this machine's blocking, unless `runner` says otherwise.
+    std::function<void(float*, float, float, int)> runner;
+    void run(float* out, float beta, float alpha, int threads) const {
+        if (runner) return runner(out, beta, alpha, threads);
+        run_kernel<GP>(out, beta, alpha, threads, GP::tuning());
     }
     void dispatch(float* out, float beta, float alpha) const {
         switch (f) {
@@ -121,8 +133,8 @@ TEST_CASE("gemm_packed: every shape from 1 to 70 on each side, strided, against 
 }
 
 TEST_CASE("gemm_packed: shapes that cross blocks, on 1 to 3 threads") {
-    // Several K blocks (kc 512), several row blocks a thread (mc 252), several column blocks (nc
-    // 2048), and a B too large to share (over 4M floats packed), each with partial tiles at the edges.
+    // Several K blocks (kc 512), several row blocks a thread (mc 252 on AVX-512, 72 on AVX2),
+    // several column blocks (nc 2048 on AVX-512; 4096 on AVX2: 20×4100), and a B too large to share (over 4M floats packed), each with partial tiles at the edges.
     struct shape {
         index_t m, n, k;
     };
@@ -133,6 +145,76 @@ TEST_CASE("gemm_packed: shapes that cross blocks, on 1 to 3 threads") {
             const problem p(f, m, n, k, 3, seed += 3);
             p.check(0.0f, 1.0f, {1, 2, 3});
             p.check(0.5f, 2.0f, {1, 2});
+        }
+}
+
+namespace {
+
+/// Every blocking of Kernel's tuning traits (and one deliberately small, to cross every block on
+/// small shapes): right against the reference, and the same bits on 1, 2 and 3 threads.
+template <class Kernel, class Tuning>
+void check_every_tuning(std::initializer_list<mnemo::cpu_kernels::packed_blocking> traits) {
+    using mnemo::cpu_kernels::packed_blocking;
+    struct shape {
+        index_t m, n, k;
+    };
+    std::uint64_t seed = 3000;
+    std::vector<packed_blocking> all(traits);
+    all.push_back(packed_blocking{"small", 2 * Kernel::lanes, 2 * Kernel::mr, 2 * Kernel::task_cols});
+    for (const packed_blocking& bl : all) {
+        INFO(std::string(Kernel::isa::name) << " blocking " << std::string(bl.measured_on) << ": kc " << bl.kc << " mc " << bl.mc << " nc " << bl.nc);
+        CHECK(bl.kc % Kernel::lanes == 0);
+        CHECK(bl.kc <= Kernel::isa::kc_cap);
+        CHECK(bl.mc % Kernel::mr == 0);
+        CHECK(bl.nc % Kernel::task_cols == 0);
+        for (gemm_form f : {nn, nt, tn})
+            for (auto [m, n, k] : {shape{97, 70, 1100}, shape{301, 300, 129}, shape{40, 600, 77}}) {
+                problem p(f, m, n, k, 2, seed += 3);
+                p.runner = [&p, &bl](float* out, float beta, float alpha, int threads) {
+                    p.run_kernel<Kernel>(out, beta, alpha, threads, bl);
+                };
+                p.check(0.0f, 1.0f, {1, 2, 3});
+                p.check(0.5f, 2.0f, {1, 3});
+                std::vector<float> out[3];
+                for (int t = 1; t <= 3; ++t) {
+                    out[t - 1] = p.c;
+                    p.run(out[t - 1].data(), 1.0f, 1.0f, t);
+                }
+                CHECK(std::memcmp(out[1].data(), out[0].data(), out[0].size() * sizeof(float)) == 0);
+                CHECK(std::memcmp(out[2].data(), out[0].data(), out[0].size() * sizeof(float)) == 0);
+            }
+    }
+}
+
+}  // namespace
+
+TEST_CASE("gemm_packed: every tuning trait of every kernel this build has, on 1 to 3 threads") {
+    using namespace mnemo::cpu_kernels;
+    using avx2 = packed_tuning<packed_isa_avx2>;
+    check_every_tuning<gemm_packed_t<packed_isa_avx2>, avx2>({avx2::zen2, avx2::other});
+#ifdef __AVX512F__
+    using avx512 = packed_tuning<packed_isa_avx512>;
+    check_every_tuning<gemm_packed_t<packed_isa_avx512>, avx512>({avx512::zen5, avx512::zen4});
+#endif
+    MESSAGE("this machine: " << std::string(cpu_model_name(this_cpu_model())) << ", kernel " << std::string(GP::isa::name) << ", blocking "
+                             << std::string(GP::tuning().measured_on) << " (kc " << GP::tuning().kc << ", mc " << GP::tuning().mc
+                             << ", nc " << GP::tuning().nc << ")");
+}
+
+TEST_CASE("gemm_packed: the AVX2 kernel by name passes a shape sweep (on AVX-512 builds too)") {
+    // The AVX2 kernel is what AVX2-only machines run; on an AVX-512 host this runs it as well (the
+    // sweep of the first case, fewer shapes).
+    using K2 = mnemo::cpu_kernels::gemm_packed_t<mnemo::cpu_kernels::packed_isa_avx2>;
+    std::uint64_t seed = 5000;
+    for (gemm_form f : {nn, nt, tn})
+        for (index_t t = 0; t < 20; ++t) {
+            const index_t x = 1 + 3 * t, y = 1 + (t * 17 + 5) % 60, z = 1 + (t * 29 + 11) % 60;
+            problem p(f, x, y, z, 1 + t % 3, seed += 3);
+            p.runner = [&p](float* out, float beta, float alpha, int threads) {
+                p.run_kernel<K2>(out, beta, alpha, threads, K2::tuning());
+            };
+            p.check(0.0f, 1.0f, {1, 2});
+            p.check(0.5f, 2.0f, {1});
         }
 }
 
@@ -239,7 +321,7 @@ TEST_CASE("gemm dispatch: the large float products go to gemm_packed; small, ski
         }
     // Per-head attention products, generation's GEMVs, skinny and shallow products stay on Eigen.
     for (auto [m, n, k] : {shape{8, 152, 32}, shape{128, 384, 32}, shape{1, 1024, 1024}, shape{2, 4096, 512},
-                           shape{64, 64, 64}, shape{16, 1024, 1024}, shape{1024, 1024, 16}, shape{1024, 48, 256}}) {
+                           shape{64, 64, 64}, shape{16, 1024, 1024}, shape{1024, 1024, 16}, shape{1024, 24, 256}}) {
         INFO(m << "x" << n << "x" << k);
         CHECK_FALSE(K::use_packed(m, n, k));
     }
@@ -247,8 +329,25 @@ TEST_CASE("gemm dispatch: the large float products go to gemm_packed; small, ski
 
 #else
 
-TEST_CASE("gemm_packed: not compiled (no AVX-512), every product stays on Eigen") {
-    MESSAGE("built without AVX-512: gemm_packed is not compiled and gemm.hpp uses Eigen throughout");
+TEST_CASE("gemm_packed: not compiled (no AVX2 + FMA), every product stays on Eigen") {
+    MESSAGE("built without AVX2 + FMA: gemm_packed is not compiled and gemm.hpp uses Eigen throughout");
 }
 
 #endif
+
+TEST_CASE("cpu_model: AMD families and models map to their Zen generation") {
+    using mnemo::cpu_kernels::amd_cpu_model;
+    using mnemo::cpu_kernels::cpu_model;
+    CHECK(amd_cpu_model(0x17, 0x01) == cpu_model::zen1);  // Naples
+    CHECK(amd_cpu_model(0x17, 0x08) == cpu_model::zen1);  // Pinnacle Ridge (Zen+)
+    CHECK(amd_cpu_model(0x17, 0x31) == cpu_model::zen2);  // Rome
+    CHECK(amd_cpu_model(0x17, 0x71) == cpu_model::zen2);  // Matisse
+    CHECK(amd_cpu_model(0x19, 0x01) == cpu_model::zen3);  // Milan
+    CHECK(amd_cpu_model(0x19, 0x21) == cpu_model::zen3);  // Vermeer
+    CHECK(amd_cpu_model(0x19, 0x11) == cpu_model::zen4);  // Genoa
+    CHECK(amd_cpu_model(0x19, 0x61) == cpu_model::zen4);  // Raphael
+    CHECK(amd_cpu_model(0x19, 0xa0) == cpu_model::zen4);  // Bergamo
+    CHECK(amd_cpu_model(0x1a, 0x02) == cpu_model::zen5);  // Turin
+    CHECK(amd_cpu_model(0x15, 0x02) == cpu_model::other); // Piledriver
+    MESSAGE("this machine: " << std::string(cpu_model_name(mnemo::cpu_kernels::this_cpu_model())));
+}

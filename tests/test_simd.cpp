@@ -11,7 +11,7 @@
 //   xsimd::max / select / comparison       ReLU and its gradient, running maxima
 //   xsimd::exp / erfc                      softmax, cross-entropy, GELU: a few ulp of std::
 //   batch load/store (unaligned)           everywhere
-//   AVX-512 only: gemm_packed::transpose16 and its masked loads (gemm_packed, gemm_direct)
+//   AVX2 + FMA (and AVX-512 where built): the packed GEMM's register transposes and partial loads/stores
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -246,30 +246,47 @@ TEST_CASE("simd: fma, fms, max, select, exp, erfc, unaligned load/store against 
     check_elementwise<double>(600);
 }
 
-#ifdef __AVX512F__
-TEST_CASE("simd (AVX-512): gemm_packed's 16x16 register transpose and masked loads") {
-    using gp = mnemo::cpu_kernels::gemm_packed;
-    alignas(64) float m[16][16], t[16][16];
-    for (int i = 0; i < 16; ++i)
-        for (int j = 0; j < 16; ++j) m[i][j] = float(i * 16 + j);
-    __m512 r[16];
-    for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(m[i]);
-    gp::transpose16(r);
-    for (int i = 0; i < 16; ++i) _mm512_store_ps(t[i], r[i]);
+#ifdef MNEMO_PACKED_GEMM
+namespace {
+/// The packed GEMM's lanes × lanes register transpose and partial loads and stores for one ISA.
+template <class Isa>
+void check_packed_isa() {
+    constexpr int L = int(Isa::lanes);
+    alignas(64) float m[L][L], t[L][L];
+    for (int i = 0; i < L; ++i)
+        for (int j = 0; j < L; ++j) m[i][j] = float(i * L + j);
+    typename Isa::reg r[L];
+    for (int i = 0; i < L; ++i) r[i] = Isa::load_partial(m[i], L);
+    Isa::transpose(r);
+    for (int i = 0; i < L; ++i) Isa::store(t[i], r[i]);
     bool transposed = true;
-    for (int i = 0; i < 16; ++i)
-        for (int j = 0; j < 16; ++j) transposed = transposed && t[i][j] == m[j][i];
+    for (int i = 0; i < L; ++i)
+        for (int j = 0; j < L; ++j) transposed = transposed && t[i][j] == m[j][i];
+    INFO(std::string(Isa::name));
     CHECK(transposed);
-    for (index_t n = 0; n <= 17; ++n) {
-        alignas(64) float got[16];
-        _mm512_store_ps(got, _mm512_maskz_loadu_ps(gp::mask(n), &m[1][3]));
+    for (index_t n = -1; n <= L + 1; ++n) {
+        alignas(64) float got[L], out[L + 2];
+        Isa::store(got, Isa::load_partial(&m[1][1], n));
         bool ok = true;
-        for (index_t l = 0; l < 16; ++l) ok = ok && got[l] == (l < n ? m[1][3 + l] : 0.0f);
-        INFO("masked load of " << n << " lanes");
+        for (index_t l = 0; l < L; ++l) ok = ok && got[l] == (l < n ? (&m[0][0])[L + 1 + l] : 0.0f);
+        for (float& x : out) x = -1.0f;
+        Isa::store_partial(out + 1, n, Isa::load_partial(m[2], L));
+        for (index_t l = 0; l < L + 2; ++l) ok = ok && out[l] == (l >= 1 && l <= std::min<index_t>(n, L) ? m[2][l - 1] : -1.0f);
+        INFO("partial load and store of " << n << " lanes");
         CHECK(ok);
     }
 }
+}  // namespace
 
+TEST_CASE("simd: the packed GEMM's register transposes and partial loads and stores (AVX2; AVX-512 where built)") {
+    check_packed_isa<mnemo::cpu_kernels::packed_isa_avx2>();
+#ifdef __AVX512F__
+    check_packed_isa<mnemo::cpu_kernels::packed_isa_avx512>();
+#endif
+}
+#endif
+
+#ifdef __AVX512F__
 TEST_CASE("simd (AVX-512): xsimd 8.1's haddp, which mnemo does not use, against transpose_add") {
     // Documents the defect transpose_add replaces; if a later xsimd fixes haddp this case says so.
     using B = simd::batch<float>;

@@ -1,12 +1,16 @@
 #pragma once
-// Single-precision GEMM for AVX-512, packed and cache-blocked in the GotoBLAS/BLIS way. gemm.hpp sends
-// it the large float products of its three forms (row-major, C = beta·C + alpha·op(A)·op(B)) on
-// AVX-512 builds; use_packed() there says which, and records what was measured.
+// Single-precision GEMM, packed and cache-blocked in the GotoBLAS/BLIS way, for AVX-512 and for AVX2 +
+// FMA. gemm.hpp sends it the large float products of its three forms (row-major, C = beta·C +
+// alpha·op(A)·op(B)); use_packed() there says which, and records what was measured. One template,
+// gemm_packed_t<Isa>, holds the algorithm; the instruction set (packed_isa_avx512, packed_isa_avx2)
+// gives the vector type, the tile and the register transpose; the cache blocking is a runtime trait
+// chosen by the CPU's microarchitecture (packed_tuning, cpu_model.hpp), each value with a note of
+// where it was measured. gemm_packed is the kernel of the build's widest instruction set.
 //
-// Micro-kernel: a 14×32 tile of C in 28 zmm accumulators (xsimd::batch<float, avx512f>); each step
-// over k loads two vectors of packed B and broadcasts 14 floats of packed A into 28 FMAs (2 more
-// registers for B, 1 for the broadcast). On its own it runs at the FMA peak, from L1 or L2.
-// Blocking, for Zen 5 (48 KiB L1d and 1 MiB L2 per core, shared L3):
+// Micro-kernels: AVX-512, a 14×32 tile of C in 28 zmm accumulators; each step over k loads two
+// vectors of packed B and broadcasts 14 floats of packed A into 28 FMAs. AVX2, a 6×16 tile in 12 ymm
+// accumulators (2 loads of B, 6 broadcasts, 12 FMAs a step). Both run at the FMA peak from L1 or L2.
+// Blocking, for Zen 5 (AVX-512; 48 KiB L1d and 1 MiB L2 per core, shared L3):
 //   kc = 512   depth of a K block (k cut into equal blocks of at most 512). C is read and written
 //              once per block, so deep blocks save C traffic: against kc = 256 (with mc = 504), the
 //              one-thread median went from 0.87 to 0.90 of peak, 1024×2048×512 from 0.81 to 0.86;
@@ -17,25 +21,42 @@
 //              block of 8 rows cost about as much as one of 252. 2 threads, the 51 products of B and
 //              C, medians of 2 interleaved runs: median 0.754 → 0.795 of peak, tn 0.72 → 0.82.
 //   nc = 2048  columns of B per block.
-// Packing: rows of A [M, K] are copied with a row stride of kc + 16 floats (a panel's 14 rows would
-// otherwise share a few L1 sets); for gemm_tn A [K, M] is copied as it lies, 14 columns a row, and
-// the kernel reads it with the other stride: nothing is transposed. B [K, N] is copied into 32-column
-// panels 16 rows at a time; B [N, K] (gemm_nt) goes through 16×16 register transposes. The source is
-// prefetched ahead (a row of A is too short a run for the hardware prefetcher).
+// Blocking, for Zen 2 (AVX2; 32 KiB L1d, 512 KiB L2 per core, 16 MiB L3 per 4-core CCX), the 17
+// large products of B and C, nn, whole-set GFLOP/s (one thread / two; peak 107 / 213):
+//   kc = 512   256: 91-92 / 173; 384: 93; 512: 95-96 / 182-186; 768 and 1024 (mc 48): 94.
+//   mc = 72    (kc 512) 48: 95; 72: 94 / 185; 96: 95-96 / 182; 144: 94; 256 with mc 288: 90.
+//   nc = 4096  2048: 185 / 4096: 182-186 at mc 96, within the noise; BLIS uses 4080 here.
+//   Prefetching each tile's rows of C before its k loop changed nothing (92.2 against 91.3).
+// Packing: rows of A [M, K] are copied with a row stride of kc_cap + lanes floats (a panel's rows
+// would otherwise share a few L1 sets); for gemm_tn A [K, M] is copied as it lies, mr columns a
+// row, and the kernel reads it with the other stride: nothing is transposed. B [K, N] is copied into
+// nr-column panels 16 rows at a time; B [N, K] (gemm_nt) goes through lanes × lanes register
+// transposes. The source is prefetched ahead (a row of A is too short a run for the hardware
+// prefetcher).
 //
 // Threads: each owns a block of C's rows at tile boundaries. Every element of C sums over k in the
-// same order whatever the split (K blocks depend on k alone, each row of a tile is its own FMA chain,
-// partial tiles run the full-tile arithmetic), so results are bitwise the same on any thread count.
-// Packed B is shared up to 16 MiB: threads claim 128-column packing tasks with an atomic, each packs
+// same order whatever the split (K blocks depend on k and the blocking alone, each row of a tile is
+// its own FMA chain, partial tiles run the full-tile arithmetic), so results are bitwise the same on
+// any thread count (with a given blocking: two CPU models with different kc round differently).
+// Packed B is shared up to 16 MiB: threads claim 4-panel packing tasks with an atomic, each packs
 // those nobody has started, and waits only for a task the other thread is in the middle of, for a
 // bounded while: if that thread lost its core, it packs a copy itself. No barrier, so a busy core
 // costs no more than in a plain fork/join. Larger B: each thread packs the blocks it needs. Buffers
 // are per thread and grow once: a steady-state GEMM allocates nothing.
 //
 // Measured (bench_kernels, the 17 large products of configurations B and C, fraction of the FP32
-// peak, medians over the shapes): 2 threads 0.87 nn / 0.88 nt / 0.855 tn against Eigen's 0.81 /
-// 0.76 / 0.75; 1 thread 0.90 / 0.90 / 0.88 against 0.84 / 0.83 / 0.80 (gemm.hpp has the details).
-#ifdef __AVX512F__
+// peak, min / median / max over the shapes; gemm.hpp has the AVX-512 details):
+//   Zen 5, AVX-512, medians: 2 threads 0.87 nn / 0.88 nt / 0.855 tn against Eigen's 0.81 / 0.76 /
+//   0.75; 1 thread 0.90 / 0.90 / 0.88 against 0.84 / 0.83 / 0.80.
+//   Zen 2, AVX2 (one run, both paths): 2 threads nn 0.79 / 0.84 / 0.86 against Eigen's 0.69 / 0.77 /
+//   0.81, nt 0.79 / 0.82 / 0.86 against 0.72 / 0.79 / 0.82, tn 0.70 / 0.80 / 0.86 against 0.64 /
+//   0.72 / 0.77; 1 thread nn 0.77 / 0.85 / 0.88 against 0.77 / 0.80 / 0.85, nt 0.83 / 0.86 / 0.89
+//   against 0.75 / 0.81 / 0.86, tn 0.80 / 0.85 / 0.88 against 0.65 / 0.74 / 0.81. Packed ahead on
+//   98 of the 102 rows.
+#include "cpu_model.hpp"
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define MNEMO_PACKED_GEMM 1
 #include <immintrin.h>
 #include <omp.h>
 
@@ -50,50 +71,31 @@
 
 namespace mnemo::cpu_kernels {
 
-struct gemm_packed {
+// The two instruction sets the kernel is written for: vector type, tile shape, partial loads and
+// stores, and the lanes × lanes register transpose gemm_nt's packing uses.
+#ifdef __AVX512F__
+/// AVX-512: a 14×32 tile in 28 zmm accumulators.
+struct packed_isa_avx512 {
     using batch = xsimd::batch<float, xsimd::avx512f>;
-    static constexpr index_t lanes = 16;
-    static constexpr index_t mr = 14;         // rows of a tile
-    static constexpr index_t nv = 2;          // vectors across a tile
-    static constexpr index_t nr = nv * lanes; // columns of a tile
-    static constexpr index_t kc_max = 512;
-    static constexpr index_t a_ld = kc_max + lanes;  // row stride of packed A (nn, nt)
-    static constexpr index_t mc_max = 252;
-    static constexpr index_t nc_max = 2048;
-    /// Columns of B one shared packing task covers, and the largest packed B (floats) a team shares.
-    static constexpr index_t task_cols = 4 * nr;
-    static constexpr index_t shared_b_max = index_t(1) << 22;
-    /// Products of at most this many rows split C's columns over the threads (whole 32-column
-    /// panels; each thread packs all of A and only its own columns of B, so nothing is shared or
-    /// waited for) instead of its rows: with 512 rows or fewer a thread's share of rows re-streams
-    /// all of B for very few tiles. The 51 products of B and C on 2 threads (2 interleaved runs):
-    /// 256 rows 0.64 → 0.71-0.81 of peak, 512 rows 0.74 → 0.81, 1024 rows median 0.80 → 0.82; from
-    /// 2048 rows the row split is ahead (0.86 against 0.82). Every element still sums over k in the
-    /// same order: the bits do not change.
-    static constexpr index_t col_split_rows = 1024;
-    /// ... and at least this many multiply-adds: configuration A's products (256 rows, 2^22-2^23)
-    /// were 1% slower in its training step split by columns.
-    static constexpr double col_split_min_work = double(1 << 24);
-    /// How far ahead (floats) copy_block prefetches its source.
-    static constexpr index_t prefetch_distance = 2048;
+    using reg = __m512;
+    static constexpr const char* name = "avx512";
+    static constexpr index_t lanes = 16, mr = 14, nv = 2;
+    /// The deepest K block any tuning trait of this kernel uses (the row stride of packed A is
+    /// kc_cap + lanes whatever the trait: a compile-time stride keeps the tile's addressing simple).
+    static constexpr index_t kc_cap = 512;
 
-    enum class form { nn, nt, tn };
-
-    /// Depth of a K block: k cut into equal blocks of at most kc_max, rounded up to 16. It depends on
-    /// k alone, so every element of C sums over k in the same order whatever rows a thread has.
-    static index_t k_block(index_t k) {
-        const index_t blocks = (k + kc_max - 1) / kc_max;
-        return std::min(kc_max, ((k + blocks - 1) / blocks + lanes - 1) / lanes * lanes);
-    }
-
-    static __mmask16 mask(index_t n) { return n >= lanes ? __mmask16(0xffff) : __mmask16((1u << n) - 1u); }
-
-    static void prefetch(const float* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
+    static __mmask16 mask(index_t n) { return n >= lanes ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1u); }
+    static reg zero() { return _mm512_setzero_ps(); }
+    static void store(float* p, reg v) { _mm512_store_ps(p, v); }
+    static void storeu(float* p, reg v) { _mm512_storeu_ps(p, v); }
+    /// Lanes [0, n) from p, zero past them (n may be ≤ 0 or ≥ lanes); nothing past p + n is read.
+    static reg load_partial(const float* p, index_t n) { return _mm512_maskz_loadu_ps(mask(n), p); }
+    static void store_partial(float* p, index_t n, reg v) { _mm512_mask_storeu_ps(p, mask(n), v); }
 
     /// In-register transpose of 16 rows of 16 floats: four rounds of swapping the off-diagonal blocks
     /// of 8, 4, 2 and 1 (two-source permutes only: g++ 12 warns about the unpack and shuffle
     /// intrinsics' internal _mm512_undefined_ps() wherever those are inlined into user code).
-    static void transpose16(__m512 r[16]) {
+    static void transpose(reg r[16]) {
 #pragma GCC unroll 4
         for (int bs = 8; bs >= 1; bs /= 2) {
             alignas(64) int lo[16], hi[16];
@@ -112,37 +114,161 @@ struct gemm_packed {
             }
         }
     }
+};
+#endif
+
+/// AVX2 + FMA: a 6×16 tile in 12 ymm accumulators (two FMA pipes of 5 cycles' latency need 10 or
+/// more chains); each step over k loads two vectors of B and broadcasts 6 floats of A: 8 loads for
+/// 12 FMAs, within the two load ports.
+struct packed_isa_avx2 {
+    using batch = xsimd::batch<float, xsimd::avx2>;
+    using reg = __m256;
+    static constexpr const char* name = "avx2";
+    static constexpr index_t lanes = 8, mr = 6, nv = 2;
+    static constexpr index_t kc_cap = 512;
+
+    static __m256i mask(index_t n) {
+        return _mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::clamp<index_t>(n, 0, lanes))), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    }
+    static reg zero() { return _mm256_setzero_ps(); }
+    static void store(float* p, reg v) { _mm256_store_ps(p, v); }
+    static void storeu(float* p, reg v) { _mm256_storeu_ps(p, v); }
+    static reg load_partial(const float* p, index_t n) { return n >= lanes ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, mask(n)); }
+    static void store_partial(float* p, index_t n, reg v) {
+        if (n >= lanes) _mm256_storeu_ps(p, v);
+        else _mm256_maskstore_ps(p, mask(n), v);
+    }
+
+    /// In-register transpose of 8 rows of 8 floats: pairs interleaved, then quads, then the 128-bit
+    /// halves exchanged.
+    static void transpose(reg r[8]) {
+        const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        const __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0)), s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+        const __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0)), s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+        const __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0)), s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+        const __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0)), s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+        r[0] = _mm256_permute2f128_ps(s0, s4, 0x20), r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+        r[2] = _mm256_permute2f128_ps(s2, s6, 0x20), r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+        r[4] = _mm256_permute2f128_ps(s0, s4, 0x31), r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+        r[6] = _mm256_permute2f128_ps(s2, s6, 0x31), r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+    }
+};
+
+/// Cache blocking of the packed kernel, one set per microarchitecture it was measured on
+/// (packed_tuning below). kc is a multiple of the ISA's lanes and at most its kc_cap, mc a multiple
+/// of its mr, nc a multiple of 4·nr (a packing task).
+struct packed_blocking {
+    const char* measured_on;  // the microarchitecture the values come from
+    index_t kc;               // depth of a K block at most
+    index_t mc;               // rows of A per block at most (packed A stays in L2)
+    index_t nc;               // columns of B per block at most
+};
+
+/// The blocking of the packed kernel for instruction set Isa on CPU model `m`. Results depend on kc
+/// (the K blocks each element sums in), so they differ between tunings, never between thread counts.
+template <class Isa>
+struct packed_tuning;
+
+#ifdef __AVX512F__
+template <>
+struct packed_tuning<packed_isa_avx512> {
+    // Zen 5 (48 KiB L1d, 1 MiB L2 a core): measured, see the file's head (2 threads, the 51 products
+    // of B and C: median 0.87 nn / 0.88 nt / 0.855 tn of peak).
+    static constexpr packed_blocking zen5{"zen5", 512, 252, 2048};
+    // Zen 4 (32 KiB L1d, 1 MiB L2): Zen 5's values, not retuned; 0.85-0.88 of peak on the large GEMMs
+    // of B and C measured with them on a 2-core Zen 4 VM (issue 23's table).
+    static constexpr packed_blocking zen4{"zen4 (zen5's values)", 512, 252, 2048};
+    static constexpr packed_blocking for_model(cpu_model m) { return m == cpu_model::zen4 ? zen4 : zen5; }
+};
+#endif
+
+template <>
+struct packed_tuning<packed_isa_avx2> {
+    // Zen 2 (32 KiB L1d, 512 KiB L2 a core, 16 MiB L3 a CCX): measured, see the file's head.
+    static constexpr packed_blocking zen2{"zen2", 512, 72, 4096};
+    // Zen 1, Zen 3 and others with AVX2 only: Zen 2's values, not measured on them (Zen 1 has the
+    // same L1d and L2; its 256-bit FMAs are split in two, which halves the peak, not the blocking).
+    static constexpr packed_blocking other{"zen2's values", 512, 72, 4096};
+    static constexpr packed_blocking for_model(cpu_model m) { return m == cpu_model::zen2 ? zen2 : other; }
+};
+
+template <class Isa>
+struct gemm_packed_t {
+    using isa = Isa;
+    using batch = typename Isa::batch;
+    using reg = typename Isa::reg;
+    static constexpr index_t lanes = Isa::lanes;
+    static constexpr index_t mr = Isa::mr;               // rows of a tile
+    static constexpr index_t nv = Isa::nv;               // vectors across a tile
+    static constexpr index_t nr = nv * lanes;            // columns of a tile
+    static constexpr index_t a_ld = Isa::kc_cap + lanes; // row stride of packed A (nn, nt)
+    /// Columns of B one shared packing task covers, and the largest packed B (floats) a team shares.
+    static constexpr index_t task_cols = 4 * nr;
+    static constexpr index_t shared_b_max = index_t(1) << 22;
+    /// Products of at most this many rows split C's columns over the threads (whole nr-column
+    /// panels; each thread packs all of A and only its own columns of B, so nothing is shared or
+    /// waited for) instead of its rows: with 512 rows or fewer a thread's share of rows re-streams
+    /// all of B for very few tiles. Zen 5, AVX-512, the 51 products of B and C on 2 threads (2
+    /// interleaved runs): 256 rows 0.64 → 0.71-0.81 of peak, 512 rows 0.74 → 0.81, 1024 rows median
+    /// 0.80 → 0.82; from 2048 rows the row split is ahead (0.86 against 0.82). Every element still
+    /// sums over k in the same order: the bits do not change.
+    static constexpr index_t col_split_rows = 1024;
+    /// ... and at least this many multiply-adds: configuration A's products (256 rows, 2^22-2^23)
+    /// were 1% slower in its training step split by columns (Zen 5).
+    static constexpr double col_split_min_work = double(1 << 24);
+    /// How far ahead (floats) copy_block prefetches its source.
+    static constexpr index_t prefetch_distance = 2048;
+
+    enum class form { nn, nt, tn };
+
+    /// The blocking this machine gets (packed_tuning, by CPUID), chosen once per process.
+    static const packed_blocking& tuning() {
+        static const packed_blocking b = packed_tuning<Isa>::for_model(this_cpu_model());
+        return b;
+    }
+
+    /// Depth of a K block: k cut into equal blocks of at most kc_max, rounded up to the lanes. It
+    /// depends on k alone, so every element of C sums over k in the same order whatever rows a
+    /// thread has.
+    static index_t k_block(index_t k, index_t kc_max) {
+        const index_t blocks = (k + kc_max - 1) / kc_max;
+        return std::min(kc_max, ((k + blocks - 1) / blocks + lanes - 1) / lanes * lanes);
+    }
+
+    static void prefetch(const float* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
 
     /// A block of gemm_nn / gemm_nt: dst[r·a_ld + c] = src[r·ld + c] for r < rows, c < cols, zero up
-    /// to rows_pad and cols_pad (a multiple of 16). Rows up to prefetch_rows are prefetched a few KiB
-    /// ahead: one row is too short a run for the hardware prefetcher.
+    /// to rows_pad and cols_pad (a multiple of the lanes). Rows up to prefetch_rows are prefetched a
+    /// few KiB ahead: one row is too short a run for the hardware prefetcher.
     static void copy_block(const float* src, index_t ld, index_t rows, index_t rows_pad, index_t cols, index_t cols_pad,
                            float* dst, index_t prefetch_rows) {
         const index_t ahead = std::clamp<index_t>(prefetch_distance / cols, 1, 64);
         for (index_t r = 0; r < rows_pad; ++r) {
             if (r + ahead < prefetch_rows)
-                for (index_t c = 0; c < cols; c += lanes) prefetch(src + (r + ahead) * ld + c);
+                for (index_t c = 0; c < cols; c += 16) prefetch(src + (r + ahead) * ld + c);
             for (index_t c = 0; c < cols_pad; c += lanes)
-                _mm512_store_ps(dst + r * a_ld + c, r < rows ? _mm512_maskz_loadu_ps(mask(std::max<index_t>(0, cols - c)), src + r * ld + c)
-                                                             : _mm512_setzero_ps());
+                Isa::store(dst + r * a_ld + c, r < rows ? Isa::load_partial(src + r * ld + c, cols - c) : Isa::zero());
         }
     }
 
     /// A block of gemm_tn, [kb, mb] of A [K, M] (stride ld), as panels of mr columns, panel q at
     /// dst + q·mr·a_ld holding dst[p·mr + i] = src[p·ld + q·mr + i], zero past mb. 16 rows at a time
     /// across the panels, the next 16 prefetched; each row of a panel is stored as a whole vector
-    /// whose last lanes the next row overwrites (masked on the panel's last row).
+    /// (lanes ≥ mr) whose last lanes the next row overwrites (only mr lanes on the panel's last row).
     static void pack_a_cols(const float* src, index_t ld, index_t kb, index_t mb, float* dst) {
-        for (index_t p0 = 0; p0 < kb; p0 += lanes) {
-            const index_t p1 = std::min(kb, p0 + lanes);
+        static_assert(lanes >= mr);
+        for (index_t p0 = 0; p0 < kb; p0 += 16) {
+            const index_t p1 = std::min(kb, p0 + 16);
             for (index_t i = 0; i < mb; i += mr) {
-                const __mmask16 load = mask(mb - i);
                 float* d = dst + i * a_ld;
-                for (index_t p = p1; p < std::min(kb, p1 + lanes); ++p) prefetch(src + p * ld + i);
+                for (index_t p = p1; p < std::min(kb, p1 + 16); ++p) prefetch(src + p * ld + i);
                 for (index_t p = p0; p < p1; ++p) {
-                    const __m512 x = _mm512_maskz_loadu_ps(load, src + p * ld + i);
-                    if (p + 1 < kb) _mm512_storeu_ps(d + p * mr, x);
-                    else _mm512_mask_storeu_ps(d + p * mr, mask(mr), x);
+                    const reg x = Isa::load_partial(src + p * ld + i, std::min(mr, mb - i));
+                    if (p + 1 < kb) Isa::storeu(d + p * mr, x);
+                    else Isa::store_partial(d + p * mr, mr, x);
                 }
             }
         }
@@ -151,37 +277,36 @@ struct gemm_packed {
     /// Columns [0, w) of a B block [kb, ·] of B [K, N] (stride ld, nn and tn) as panels of nr
     /// columns, panel q at dst + q·nr·kb holding dst[p·nr + j] = src[p·ld + q·nr + j], zero past w.
     /// 16 rows at a time across the panels, the next 16 prefetched: the source is read in long runs
-    /// and each panel gets 2 KiB at once (row by row, the panels' lines, kb·nr floats apart, would
+    /// and each panel gets 16 rows at once (row by row, the panels' lines, kb·nr floats apart, would
     /// fight over a few cache sets).
     static void pack_b_rows(const float* src, index_t ld, index_t kb, index_t w, float* dst) {
-        for (index_t p0 = 0; p0 < kb; p0 += lanes) {
-            const index_t p1 = std::min(kb, p0 + lanes);
+        for (index_t p0 = 0; p0 < kb; p0 += 16) {
+            const index_t p1 = std::min(kb, p0 + 16);
             for (index_t j = 0; j < w; j += nr) {
-                const __mmask16 m0 = mask(w - j), m1 = mask(std::max<index_t>(0, w - j - lanes));
-                for (index_t p = p1; p < std::min(kb, p1 + lanes); ++p) prefetch(src + p * ld + j), prefetch(src + p * ld + j + lanes);
+                for (index_t p = p1; p < std::min(kb, p1 + 16); ++p)
+                    for (index_t v = 0; v < nr; v += 16) prefetch(src + p * ld + j + v);
                 for (index_t p = p0; p < p1; ++p) {
                     float* d = dst + j * kb + p * nr;
-                    _mm512_store_ps(d, _mm512_maskz_loadu_ps(m0, src + p * ld + j));
-                    _mm512_store_ps(d + lanes, _mm512_maskz_loadu_ps(m1, src + p * ld + j + lanes));
+#pragma GCC unroll 4
+                    for (index_t v = 0; v < nv; ++v) Isa::store(d + v * lanes, Isa::load_partial(src + p * ld + j + v * lanes, w - j - v * lanes));
                 }
             }
         }
     }
 
     /// One panel of B [N, K] (gemm_nt): dst[p·nr + j] = src[j·ld + p] for j < rows (≤ nr), p < kb,
-    /// zero for rows ≤ j < nr; 16×16 blocks transposed in registers, the next 16 rows (up to
+    /// zero for rows ≤ j < nr; lanes × lanes blocks transposed in registers, the next rows (up to
     /// prefetch_rows) prefetched meanwhile.
     static void pack_b_transposed(const float* src, index_t ld, index_t rows, index_t kb, float* dst, index_t prefetch_rows) {
         for (index_t r0 = 0; r0 < nr; r0 += lanes)
             for (index_t c0 = 0; c0 < kb; c0 += lanes) {
-                const __mmask16 load = mask(kb - c0);
-                __m512 x[16];
+                reg x[lanes];
                 for (index_t j = 0; j < lanes; ++j) {
                     if (r0 + lanes + j < prefetch_rows) prefetch(src + (r0 + lanes + j) * ld + c0);
-                    x[j] = r0 + j < rows ? _mm512_maskz_loadu_ps(load, src + (r0 + j) * ld + c0) : _mm512_setzero_ps();
+                    x[j] = r0 + j < rows ? Isa::load_partial(src + (r0 + j) * ld + c0, kb - c0) : Isa::zero();
                 }
-                transpose16(x);
-                for (index_t d = 0; d < std::min(lanes, kb - c0); ++d) _mm512_store_ps(dst + (c0 + d) * nr + r0, x[d]);
+                Isa::transpose(x);
+                for (index_t d = 0; d < std::min(lanes, kb - c0); ++d) Isa::store(dst + (c0 + d) * nr + r0, x[d]);
             }
     }
 
@@ -200,8 +325,8 @@ struct gemm_packed {
 
     /// The micro-kernel: acc[i][j] = Σ_{p<kb} a[i·IS + p·PS] · b[p·nr + j] for a tile of mr × nr,
     /// then C updated. Full tiles store straight to C; partial ones (rows < mr or cols < nr: packed
-    /// with zeros) go through a copy of the accumulators and masked loads and stores. Out of line, so
-    /// that the 28 accumulators have the registers to themselves.
+    /// with zeros) go through a copy of the accumulators and partial loads and stores. Out of line,
+    /// so that the accumulators have the registers to themselves.
     template <index_t IS, index_t PS>
     [[gnu::noinline]] static void tile(index_t kb, const float* a, const float* b, float* c, index_t ldc, index_t rows,
                                        index_t cols, const update& up) {
@@ -239,9 +364,9 @@ struct gemm_packed {
         for (index_t i = 0; i < rows; ++i)
             for (index_t v = 0; v * lanes < cols; ++v) {
                 float* cp = c + i * ldc + v * lanes;
-                const __mmask16 mk = mask(cols - v * lanes);
-                const batch prev = up.load_c ? batch(_mm512_maskz_loadu_ps(mk, cp)) : batch(0.0f);
-                _mm512_mask_storeu_ps(cp, mk, up(batch::load_aligned(t + i * nr + v * lanes), prev));
+                const index_t w = cols - v * lanes;
+                const batch prev = up.load_c ? batch(Isa::load_partial(cp, w)) : batch(0.0f);
+                Isa::store_partial(cp, w, up(batch::load_aligned(t + i * nr + v * lanes), prev));
             }
     }
 
@@ -281,10 +406,11 @@ struct gemm_packed {
 
     /// C [m, n] = beta·C + alpha·op(A)·op(B) (the forms of gemm.hpp: nn A [m, k] · B [k, n], nt A
     /// [m, k] · B [n, k]ᵀ, tn A [k, m]ᵀ · B [k, n]; row strides lda, ldb, ldc) on up to `threads`
-    /// threads. beta = 0 overwrites C whatever it holds.
+    /// threads, blocked by `bl` (this machine's tuning() unless given). beta = 0 overwrites C
+    /// whatever it holds.
     template <form F>
     static void run(index_t m, index_t n, index_t k, const float* a, index_t lda, const float* b, index_t ldb, float* c,
-                    index_t ldc, float beta, float alpha, int threads) {
+                    index_t ldc, float beta, float alpha, int threads, const packed_blocking& bl = tuning()) {
         if (m <= 0 || n <= 0) return;
         if (k <= 0) {
             for (index_t i = 0; i < m; ++i)
@@ -293,7 +419,8 @@ struct gemm_packed {
         }
         // Packed A: row i of a panel at a[i·a_ld] (nn, nt), or column p at a[p·mr] (tn).
         constexpr index_t a_stride_i = F == form::tn ? 1 : a_ld, a_stride_p = F == form::tn ? mr : 1;
-        const index_t kc = k_block(k), nc = std::min(nc_max, (n + nr - 1) / nr * nr);
+        const index_t kc_max = std::min(bl.kc, Isa::kc_cap), mc_max = bl.mc, nc_max = bl.nc;
+        const index_t kc = k_block(k, kc_max), nc = std::min(nc_max, (n + nr - 1) / nr * nr);
         const index_t tiles = (m + mr - 1) / mr;
         threads = int(std::min<index_t>(threads, tiles));
         const index_t blocks = (k + kc - 1) / kc * ((n + nc - 1) / nc), tasks = (nc + task_cols - 1) / task_cols;
@@ -381,6 +508,12 @@ struct gemm_packed {
         body(omp_get_thread_num(), omp_get_num_threads());
     }
 };
+
+#ifdef __AVX512F__
+using gemm_packed = gemm_packed_t<packed_isa_avx512>;
+#else
+using gemm_packed = gemm_packed_t<packed_isa_avx2>;
+#endif
 
 }  // namespace mnemo::cpu_kernels
 #endif

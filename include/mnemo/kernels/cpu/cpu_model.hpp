@@ -1,0 +1,64 @@
+#pragma once
+// Which x86 microarchitecture this process runs on, read once from CPUID (vendor, family, model), for
+// the kernels whose blocking was measured per microarchitecture (gemm_packed.hpp's tuning traits).
+// Only what was measured is told apart: AMD's Zen generations by family and model; everything else
+// (Intel, other vendors, non-x86 builds) is `other` and gets the defaults.
+#include <cstring>
+#include <string_view>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
+namespace mnemo::cpu_kernels {
+
+enum class cpu_model { zen1, zen2, zen3, zen4, zen5, other };
+
+inline const char* cpu_model_name(cpu_model m) {
+    switch (m) {
+        case cpu_model::zen1: return "zen1";
+        case cpu_model::zen2: return "zen2";
+        case cpu_model::zen3: return "zen3";
+        case cpu_model::zen4: return "zen4";
+        case cpu_model::zen5: return "zen5";
+        case cpu_model::other: break;
+    }
+    return "other";
+}
+
+/// The microarchitecture of an AMD CPU of CPUID family `family` and model `model` (the display
+/// values, extended fields included): family 17h is Zen 1/Zen+ below model 30h and Zen 2 from it;
+/// 19h is Zen 4 at models 10h-1Fh, 60h-7Fh and A0h-AFh and Zen 3 elsewhere; 1Ah is Zen 5.
+inline cpu_model amd_cpu_model(unsigned family, unsigned model) {
+    if (family == 0x17) return model < 0x30 ? cpu_model::zen1 : cpu_model::zen2;
+    if (family == 0x19) {
+        const bool zen4 = (model >= 0x10 && model <= 0x1f) || (model >= 0x60 && model <= 0x7f) || (model >= 0xa0 && model <= 0xaf);
+        return zen4 ? cpu_model::zen4 : cpu_model::zen3;
+    }
+    if (family == 0x1a) return cpu_model::zen5;
+    return cpu_model::other;
+}
+
+/// This machine's microarchitecture, detected once per process.
+inline cpu_model this_cpu_model() {
+    static const cpu_model model = [] {
+#if defined(__x86_64__) || defined(__i386__)
+        unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+        if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return cpu_model::other;
+        char vendor[13] = {};
+        std::memcpy(vendor, &ebx, 4);
+        std::memcpy(vendor + 4, &edx, 4);
+        std::memcpy(vendor + 8, &ecx, 4);
+        if (std::string_view(vendor) != "AuthenticAMD" || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return cpu_model::other;
+        const unsigned base_family = (eax >> 8) & 0xf, base_model = (eax >> 4) & 0xf;
+        const unsigned family = base_family == 0xf ? base_family + ((eax >> 20) & 0xff) : base_family;
+        const unsigned model = base_family == 0xf ? base_model | (((eax >> 16) & 0xf) << 4) : base_model;
+        return amd_cpu_model(family, model);
+#else
+        return cpu_model::other;
+#endif
+    }();
+    return model;
+}
+
+}  // namespace mnemo::cpu_kernels
