@@ -160,7 +160,8 @@ void check_every_tuning(std::initializer_list<mnemo::cpu_kernels::packed_blockin
     };
     std::uint64_t seed = 3000;
     std::vector<packed_blocking> all(traits);
-    all.push_back(packed_blocking{"small", 2 * Kernel::lanes, 2 * Kernel::mr, 2 * Kernel::task_cols});
+    all.push_back(packed_blocking{"small", 2 * Kernel::lanes, 2 * Kernel::mr, 2 * Kernel::task_cols, 0});
+    all.push_back(packed_blocking{"small, columns split", 2 * Kernel::lanes, 2 * Kernel::mr, 2 * Kernel::task_cols, 4096});
     for (const packed_blocking& bl : all) {
         INFO(std::string(Kernel::isa::name) << " blocking " << std::string(bl.measured_on) << ": kc " << bl.kc << " mc " << bl.mc << " nc " << bl.nc);
         CHECK(bl.kc % Kernel::lanes == 0);
@@ -168,7 +169,7 @@ void check_every_tuning(std::initializer_list<mnemo::cpu_kernels::packed_blockin
         CHECK(bl.mc % Kernel::mr == 0);
         CHECK(bl.nc % Kernel::task_cols == 0);
         for (gemm_form f : {nn, nt, tn})
-            for (auto [m, n, k] : {shape{97, 70, 1100}, shape{301, 300, 129}, shape{40, 600, 77}}) {
+            for (auto [m, n, k] : {shape{97, 70, 1100}, shape{301, 300, 129}, shape{40, 600, 77}, shape{200, 700, 130}}) {
                 problem p(f, m, n, k, 2, seed += 3);
                 p.runner = [&p, &bl](float* out, float beta, float alpha, int threads) {
                     p.run_kernel<Kernel>(out, beta, alpha, threads, bl);

@@ -165,6 +165,12 @@ struct packed_blocking {
     index_t kc;               // depth of a K block at most
     index_t mc;               // rows of A per block at most (packed A stays in L2)
     index_t nc;               // columns of B per block at most
+    /// Products of at most this many rows split C's columns over the threads (whole nr-column
+    /// panels; each thread packs all of A and only its own columns of B, so nothing is shared or
+    /// waited for) instead of its rows; 0: always its rows. With few rows a thread's share of them
+    /// re-streams all of B for very few tiles. Every element still sums over k in the same order:
+    /// the bits do not change.
+    index_t col_split_rows;
 };
 
 /// The blocking of the packed kernel for instruction set Isa on CPU model `m`. Results depend on kc
@@ -176,22 +182,27 @@ struct packed_tuning;
 template <>
 struct packed_tuning<packed_isa_avx512> {
     // Zen 5 (48 KiB L1d, 1 MiB L2 a core): measured, see the file's head (2 threads, the 51 products
-    // of B and C: median 0.87 nn / 0.88 nt / 0.855 tn of peak).
-    static constexpr packed_blocking zen5{"zen5", 512, 252, 2048};
+    // of B and C: median 0.87 nn / 0.88 nt / 0.855 tn of peak). Column split up to 1024 rows, the 51
+    // products on 2 threads (2 interleaved runs): 256 rows 0.64 → 0.71-0.81 of peak, 512 rows 0.74 →
+    // 0.81, 1024 rows median 0.80 → 0.82; from 2048 rows the row split is ahead (0.86 against 0.82).
+    static constexpr packed_blocking zen5{"zen5", 512, 252, 2048, 1024};
     // Zen 4 (32 KiB L1d, 1 MiB L2): Zen 5's values, not retuned; 0.85-0.88 of peak on the large GEMMs
-    // of B and C measured with them on a 2-core Zen 4 VM (issue 23's table).
-    static constexpr packed_blocking zen4{"zen4 (zen5's values)", 512, 252, 2048};
+    // of B and C measured with them on a 2-core Zen 4 VM in an earlier session.
+    static constexpr packed_blocking zen4{"zen4 (zen5's values)", 512, 252, 2048, 1024};
     static constexpr packed_blocking for_model(cpu_model m) { return m == cpu_model::zen4 ? zen4 : zen5; }
 };
 #endif
 
 template <>
 struct packed_tuning<packed_isa_avx2> {
-    // Zen 2 (32 KiB L1d, 512 KiB L2 a core, 16 MiB L3 a CCX): measured, see the file's head.
-    static constexpr packed_blocking zen2{"zen2", 512, 72, 4096};
+    // Zen 2 (32 KiB L1d, 512 KiB L2 a core, 16 MiB L3 a CCX): measured, see the file's head. Column
+    // split up to 0, 1024 or 2048 rows: the 51 products on 2 threads within 1% of each other in
+    // total (2 interleaved runs); the slowest shape of a form at 136-170 GFLOP/s with none against
+    // 155-169 with 1024 (the low ones gone): kept.
+    static constexpr packed_blocking zen2{"zen2", 512, 72, 4096, 1024};
     // Zen 1, Zen 3 and others with AVX2 only: Zen 2's values, not measured on them (Zen 1 has the
     // same L1d and L2; its 256-bit FMAs are split in two, which halves the peak, not the blocking).
-    static constexpr packed_blocking other{"zen2's values", 512, 72, 4096};
+    static constexpr packed_blocking other{"zen2's values", 512, 72, 4096, 1024};
     static constexpr packed_blocking for_model(cpu_model m) { return m == cpu_model::zen2 ? zen2 : other; }
 };
 
@@ -208,14 +219,6 @@ struct gemm_packed_t {
     /// Columns of B one shared packing task covers, and the largest packed B (floats) a team shares.
     static constexpr index_t task_cols = 4 * nr;
     static constexpr index_t shared_b_max = index_t(1) << 22;
-    /// Products of at most this many rows split C's columns over the threads (whole nr-column
-    /// panels; each thread packs all of A and only its own columns of B, so nothing is shared or
-    /// waited for) instead of its rows: with 512 rows or fewer a thread's share of rows re-streams
-    /// all of B for very few tiles. Zen 5, AVX-512, the 51 products of B and C on 2 threads (2
-    /// interleaved runs): 256 rows 0.64 → 0.71-0.81 of peak, 512 rows 0.74 → 0.81, 1024 rows median
-    /// 0.80 → 0.82; from 2048 rows the row split is ahead (0.86 against 0.82). Every element still
-    /// sums over k in the same order: the bits do not change.
-    static constexpr index_t col_split_rows = 1024;
     /// ... and at least this many multiply-adds: configuration A's products (256 rows, 2^22-2^23)
     /// were 1% slower in its training step split by columns (Zen 5).
     static constexpr double col_split_min_work = double(1 << 24);
@@ -424,8 +427,8 @@ struct gemm_packed_t {
         const index_t tiles = (m + mr - 1) / mr;
         threads = int(std::min<index_t>(threads, tiles));
         const index_t blocks = (k + kc - 1) / kc * ((n + nc - 1) / nc), tasks = (nc + task_cols - 1) / task_cols;
-        // Up to col_split_rows rows, the threads take C's columns instead (see there).
-        const bool by_cols = threads > 1 && m <= col_split_rows && n >= 2 * nr * threads &&
+        // Up to bl.col_split_rows rows, the threads take C's columns instead (see packed_blocking).
+        const bool by_cols = threads > 1 && m <= bl.col_split_rows && n >= 2 * nr * threads &&
                              double(m) * double(n) * double(k) >= col_split_min_work;
         const bool shared = threads > 1 && !by_cols && blocks * kc * nc <= shared_b_max;
         float* shared_b = shared ? thread_buffer(2, blocks * kc * nc) : nullptr;

@@ -61,7 +61,8 @@ struct layer_norm {
             if (rstd) rstd[i] = r;
             const B vr = simd::splat(r);
             T* hi = xhat ? xhat + i * ldxh : nullptr;
-            if (!yi) {  // x̂ only
+            if (!yi) {  // x̂ only (or only the statistics, when xhat is null too)
+                if (!hi) continue;
                 for (j = 0; j < nv; j += simd::width<T>) simd::store(hi + j, (simd::load(xi + j) - vmu) * vr);
                 for (; j < d; ++j) hi[j] = (xi[j] - mu) * r;
                 continue;
