@@ -30,7 +30,7 @@ struct gemm_direct {
     static constexpr index_t mr_max = 14;
     static constexpr index_t nr = 2 * lanes;
 
-    static __mmask16 mask(index_t n) { return gemm_packed::mask(std::max<index_t>(n, 0)); }
+    static __mmask16 mask(index_t n) { return packed_isa_avx512::mask(n); }
 
     /// The tile: C[0:MR, 0:cols] (cols ≤ 32) = beta·C + A[0:MR, 0:k]·B[0:k, 0:cols].
     template <int MR, bool Two>
@@ -111,7 +111,7 @@ struct gemm_direct {
                     __m512 x[16];
                     for (index_t i = 0; i < lanes; ++i)
                         x[i] = i0 + i < rows ? _mm512_maskz_loadu_ps(ld, a + (r0 + i0 + i) * lda + p0) : _mm512_setzero_ps();
-                    gemm_packed::transpose16(x);
+                    packed_isa_avx512::transpose(x);
                     for (index_t p = 0; p < std::min(lanes, k - p0); ++p) _mm512_storeu_ps(at + (p0 + p) * nr + i0, x[p]);
                 }
             gemm_nn(n, rows, k, b, ldb, at, nr, ct, nr);  // Cᵀ [N, rows] = B·Aᵀ
@@ -122,7 +122,7 @@ struct gemm_direct {
                     __m512 x[16];
                     for (index_t j = 0; j < lanes; ++j)
                         x[j] = j0 + j < n ? _mm512_loadu_ps(ct + (j0 + j) * nr + i0) : _mm512_setzero_ps();
-                    gemm_packed::transpose16(x);
+                    packed_isa_avx512::transpose(x);
                     const __mmask16 st = mask(n - j0);
                     for (index_t i = 0; i < std::min(lanes, rows - i0); ++i) {
                         float* ci = c + (r0 + i0 + i) * ldc + j0;

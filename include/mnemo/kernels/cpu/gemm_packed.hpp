@@ -219,8 +219,9 @@ struct gemm_packed_t {
     /// Columns of B one shared packing task covers, and the largest packed B (floats) a team shares.
     static constexpr index_t task_cols = 4 * nr;
     static constexpr index_t shared_b_max = index_t(1) << 22;
-    /// ... and at least this many multiply-adds: configuration A's products (256 rows, 2^22-2^23)
-    /// were 1% slower in its training step split by columns (Zen 5).
+    /// The column split (packed_blocking::col_split_rows) also needs at least this many
+    /// multiply-adds: configuration A's products (256 rows, 2^22-2^23) were 1% slower in its
+    /// training step split by columns (Zen 5).
     static constexpr double col_split_min_work = double(1 << 24);
     /// How far ahead (floats) copy_block prefetches its source.
     static constexpr index_t prefetch_distance = 2048;
@@ -234,8 +235,8 @@ struct gemm_packed_t {
     }
 
     /// Depth of a K block: k cut into equal blocks of at most kc_max, rounded up to the lanes. It
-    /// depends on k alone, so every element of C sums over k in the same order whatever rows a
-    /// thread has.
+    /// depends on k and the blocking alone, so every element of C sums over k in the same order
+    /// whatever rows or columns a thread has.
     static index_t k_block(index_t k, index_t kc_max) {
         const index_t blocks = (k + kc_max - 1) / kc_max;
         return std::min(kc_max, ((k + blocks - 1) / blocks + lanes - 1) / lanes * lanes);
