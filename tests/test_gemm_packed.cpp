@@ -239,8 +239,9 @@ TEST_CASE("gemm_packed: the same bits on 1, 2 and 3 threads, shared or private B
     };
     std::uint64_t seed = 700;
     for (gemm_form f : {nn, nt, tn})
-        for (auto [m, n, k] : {shape{1024, 256, 256}, shape{256, 1024, 1024}, shape{513, 77, 2049}, shape{301, 4100, 700},
+        for (const shape& sh : {shape{1024, 256, 256}, shape{256, 1024, 1024}, shape{513, 77, 2049}, shape{301, 4100, 700},
                                shape{29, 300, 600}}) {
+            const index_t m = sh.m, n = sh.n, k = sh.k;  // not a structured binding: clang 14 cannot capture those (INFO)
             for (float beta : {0.0f, 1.0f}) {
                 const problem p(f, m, n, k, 0, seed += 3);
                 std::vector<float> out[3];
@@ -314,15 +315,17 @@ TEST_CASE("gemm dispatch: the large float products go to gemm_packed; small, ski
     };
     // The 17 large products of configurations B and C (bench_kernels' model rows).
     for (index_t d : {256, 512})
-        for (auto [m, n, k] : {shape{1024, d, d}, shape{1024, 4 * d, d}, shape{1024, d, 4 * d}, shape{3072, 2 * d, d},
+        for (const shape& sh : {shape{1024, d, d}, shape{1024, 4 * d, d}, shape{1024, d, 4 * d}, shape{3072, 2 * d, d},
                                shape{3072, d, 2 * d}, shape{d, d, 1024}, shape{4 * d, d, 1024}, shape{d, 4 * d, 1024},
                                shape{2 * d, d, 3072}}) {
+            const index_t m = sh.m, n = sh.n, k = sh.k;  // not a structured binding: clang 14 cannot capture those (INFO)
             INFO(m << "x" << n << "x" << k);
             CHECK(K::use_packed(m, n, k));
         }
     // Per-head attention products, generation's GEMVs, skinny and shallow products stay on Eigen.
-    for (auto [m, n, k] : {shape{8, 152, 32}, shape{128, 384, 32}, shape{1, 1024, 1024}, shape{2, 4096, 512},
+    for (const shape& sh : {shape{8, 152, 32}, shape{128, 384, 32}, shape{1, 1024, 1024}, shape{2, 4096, 512},
                            shape{64, 64, 64}, shape{16, 1024, 1024}, shape{1024, 1024, 16}, shape{1024, 24, 256}}) {
+        const index_t m = sh.m, n = sh.n, k = sh.k;  // not a structured binding: clang 14 cannot capture those (INFO)
         INFO(m << "x" << n << "x" << k);
         CHECK_FALSE(K::use_packed(m, n, k));
     }
