@@ -1,7 +1,8 @@
 // The per-head kernels (kernels/cpu/head_products.hpp) against a double-precision reference, through
 // the dispatchers the attention calls (head_gemm_nt / _nn / _tn): shapes on both sides of every
-// dispatch limit (16 keys for nt, 64 rows for nn and tn), odd row counts (the 2- and 4-row blocks'
-// remainders), d_k of one, two, four and eight SIMD vectors and one that is not a whole number of
+// dispatch limit (16 keys for nt, 64 rows for nn and tn, tiles_max_work multiply-adds for all
+// three), odd row counts (every register tile's remainders), depths past one stack block of Y (nn,
+// tn) and key counts past one block of Yᵀ (nt), d_k of one, two, four and eight SIMD vectors and one that is not a whole number of
 // them (the general GEMM then), strided operands with padding that must stay untouched, beta 0 over
 // NaN and beta 1, float and double. And the runtime-width overloads (a runtime-shape model's) against
 // the compile-time ones, bitwise.
@@ -77,8 +78,8 @@ void check(form f, index_t m, index_t n, T beta, std::uint64_t seed) {
 
 template <class T, index_t Dk>
 void sweep(std::uint64_t& seed) {
-    for (index_t m : {1, 2, 3, 7, 8, 16, 33, 64, 65, 130, 256})
-        for (index_t n : {1, 3, 4, 5, 8, 15, 16, 17, 63, 64, 65}) {
+    for (index_t m : {1, 2, 3, 7, 8, 16, 33, 64, 65, 130, 256, 301})
+        for (index_t n : {1, 3, 4, 5, 8, 15, 16, 17, 63, 64, 65, 150, 385}) {
             check<T, Dk>(form::nt, m, n, T(0), seed++);
             for (T beta : {T(0), T(1)}) {
                 check<T, Dk>(form::nn, m, n, beta, seed++);
@@ -88,6 +89,22 @@ void sweep(std::uint64_t& seed) {
 }
 
 }  // namespace
+
+TEST_CASE("head products: the routes the sweep below exercises") {
+    using H = mnemo::cpu_kernels::head_products;
+    CHECK(H::nt_route(8, 8, 32) == H::route::reduce);
+    CHECK(H::nt_route(128, 384, 32) == H::route::tiles);  // configuration B's scores per (batch, head)
+    CHECK(H::nt_route(8, 144, 32) == H::route::general);  // A's: too few rows to repay Yᵀ's copy
+    CHECK(H::nt_route(1024, 512, 32) == H::route::general);
+    CHECK(H::rows_route(128, 384, 32, true, 0.0f));
+    CHECK(H::rows_route(384, 128, 32, false, 1.0f));
+    CHECK(H::rows_route(8, 144, 32, false, 0.0f));
+    CHECK_FALSE(H::rows_route(1024, 512, 32, true, 0.0f));
+    CHECK_FALSE(H::rows_route(8, 8, 32, true, 0.5f));
+#ifdef MNEMO_PACKED_GEMM
+    CHECK(H::tiles_max_work == mnemo::cpu_kernels::gemm::packed_min_work);  // the tiles end where packing begins
+#endif
+}
 
 TEST_CASE("head products: nt, nn and tn against a double reference across the dispatch limits") {
     std::uint64_t seed = 1;
@@ -204,8 +221,8 @@ bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
 template <class T, index_t Dk>
 void check_runtime_width(std::uint64_t seed) {
     const index_t ld = 3 * Dk + 5;
-    for (index_t m : {1, 2, 3, 8, 16, 17, 64, 65})
-        for (index_t n : {1, 4, 7, 8, 9, 16, 17, 64, 65}) {
+    for (index_t m : {1, 2, 3, 8, 16, 17, 64, 65, 150})
+        for (index_t n : {1, 4, 7, 8, 9, 16, 17, 64, 65, 150, 300}) {
             INFO("d_k " << Dk << " m " << m << " n " << n);
             const auto x = mnemo::testing::random_vector<T>(std::max(m, n) * ld, seed++);
             const auto y = mnemo::testing::random_vector<T>(std::max(m, n) * ld, seed++);

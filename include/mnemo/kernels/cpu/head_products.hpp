@@ -1,22 +1,25 @@
 #pragma once
 // The products of one attention head whose shared or output side is the head width d_k, known at
-// compile time, for the small shapes of short segments: A's attention over its 8 segment keys is an
-// 8×8×32 product per (batch element, head), thousands of them per step, where a general GEMM's call,
-// blocking and packing cost several times the 2K multiply-adds. Here the rows of d_k floats stay in
-// registers (d_k / SIMD width vectors each); no GEMM packing, only the operand read more than once
-// is copied to the stack.
+// compile time: A's attention over its 8 segment keys is an 8×8×32 product per (batch element, head),
+// thousands of them per step, where a general GEMM's call, blocking and packing cost several times
+// the 2K multiply-adds; B's is 128×384×32, where Eigen's GEBP ran at 0.4-0.5 of peak. Here a tile of
+// the output stays in registers; no GEMM packing, only the operand read more than once is copied to
+// the stack (a depth block of its rows at a time).
 //
 //   head_nt: S[M,N]  = X[M,Dk]·Y[N,Dk]ᵀ            (scores q·kᵀ; d attention weights dO·vᵀ)
 //   head_nn: O[M,Dk] (=, +=) A[M,N]·Y[N,Dk]          (context a·v; d(q+u) = dS·k)
 //   head_tn: O[N,Dk] (=, +=) A[M,N]ᵀ·X[M,Dk]         (dv = aᵀ·dO; dk = dSᵀ·q)
 //
+// nn and tn are one register-tiled product (rows_product): R rows × up to 4 vectors of O per tile
+// (AVX2, d_k 32: 3 × 4 in 12 ymm; AVX-512: 12 × 2), each element one FMA chain over the depth in
+// order. nt has two kernels: for a few keys, one horizontal sum per score (head_nt: X's row in
+// registers); for many, the scores as vectors along the keys (head_nt_wide: Yᵀ copied a block at a
+// time, R rows × 2 vectors per tile, AVX2 6 × 16), one FMA chain over d per score.
+//
 // Every pointer is a row-major block with its own row stride (a head's columns inside [rows, D]
-// buffers). The kernels need d_k to be a whole number of SIMD vectors (`fits`). What callers use are
-// the dispatchers head_gemm_nt / _nn / _tn, which take these kernels where they were measured to win
-// and the general GEMMs (gemm.hpp) elsewhere. Measured on one thread with the strides of A's
-// buffers (16 KiB) against the general path: nn 2-4× faster up to 64 keys at any number of rows
-// (256 too); tn 2-4× up to 64×64 (even beyond: taken up to 64 rows); nt, one horizontal sum per
-// score, 2-3× at up to 8 keys, even at 16 keys over 16 rows, slower beyond.
+// buffers). The kernels need d_k to be a whole number of SIMD vectors, at most 8 (`fits`). What
+// callers use are the dispatchers head_gemm_nt / _nn / _tn, which take these kernels where they were
+// measured to win and the general GEMMs (gemm.hpp) elsewhere (see nt_route / rows_route).
 //
 // Runtime d_k (a runtime-shape model, config<dynamic, dynamic, dynamic>): every product and
 // dispatcher has an overload taking d_k as its first (runtime) argument. It takes the same route for
@@ -35,7 +38,8 @@
 namespace mnemo::cpu_kernels {
 
 struct head_products {
-    /// The most rows an operand that is read more than once may have (it is copied to the stack).
+    /// The few-key nt kernel copies Y's rows (at most 16) to a stack block of this many; nn and tn
+    /// take the tiles up to this many keys (or rows and keys) whatever the work.
     static constexpr index_t max_reread_rows = 64;
 
     template <class T, index_t Dk>
@@ -46,29 +50,56 @@ struct head_products {
         return dk > 0 && dk % simd::width<T> == 0 && dk / simd::width<T> <= 8;
     }
 
+    /// The routes (the same for a compile-time and a runtime d_k), measured on one thread against the
+    /// general GEMM (Zen 2, AVX2, operands 2048 floats apart; docs/performance.md): under
+    /// tiles_max_work multiply-adds (where the general path is Eigen's) the register tiles were
+    /// 1.3-4× as fast on nn and tn at every shape tried (8×16 to 256×152, d_k 32 and 64; earlier, on
+    /// AVX-512, nn 2-4× up to 64 keys and tn up to 64×64, the limits kept below) and 1.2-1.5× on nt
+    /// from 16 rows on (with fewer, copying Yᵀ costs what the tiles save: Eigen 1.1× ahead at 8×144);
+    /// from there on, the packed GEMM is 1.05-1.2× ahead. The few-key nt kernel: 2-3× at up
+    /// to 8 keys, and at 16 keys over 16 rows.
+    enum class route { reduce, tiles, general };
+    static constexpr route nt_route(index_t m, index_t n, index_t dk) {
+        if (n <= 8 || (n <= 16 && m <= 16)) return route::reduce;
+        if (m >= 16 && small(m, n, dk)) return route::tiles;
+        return route::general;
+    }
+    template <class T>
+    static constexpr bool rows_route(index_t m, index_t n, index_t dk, bool nn, T beta) {
+        if (beta != T(0) && beta != T(1)) return false;
+        return (nn ? n <= max_reread_rows : m <= max_reread_rows && n <= max_reread_rows) || small(m, n, dk);
+    }
+    /// Products under this many multiply-adds take the tiles: where the general GEMM's packed path
+    /// begins (gemm::packed_min_work, on builds that have it).
+    static constexpr double tiles_max_work = double(1 << 21);
+    static constexpr bool small(index_t m, index_t n, index_t dk) {
+        return double(m) * double(n) * double(dk) < tiles_max_work;
+    }
+
     /// S[M,N] = X[M,Dk]·Y[N,Dk]ᵀ
     template <index_t Dk, class T>
     static void head_gemm_nt(index_t m, index_t n, const T* x, index_t ldx, const T* y, index_t ldy, T* s, index_t lds) {
-        if constexpr (fits<T, Dk>)
-            if (n <= 8 || (n <= 16 && m <= 16)) return head_nt<Dk>(m, n, x, ldx, y, ldy, s, lds);
+        if constexpr (fits<T, Dk>) {
+            const route r = nt_route(m, n, Dk);
+            if (r == route::reduce) return head_nt<Dk>(m, n, x, ldx, y, ldy, s, lds);
+            if (r == route::tiles) return head_nt_wide<Dk>(m, n, x, ldx, y, ldy, s, lds);
+        }
         gemm::gemm_nt(m, n, Dk, x, ldx, y, ldy, s, lds);
     }
-    /// O[M,Dk] = beta·O + A[M,N]·Y[N,Dk], beta 0 or 1
+    /// O[M,Dk] = beta·O + A[M,N]·Y[N,Dk]
     template <index_t Dk, class T>
     static void head_gemm_nn(index_t m, index_t n, const T* a, index_t lda, const T* y, index_t ldy, T* o, index_t ldo,
                              T beta = T(0)) {
         if constexpr (fits<T, Dk>)
-            if (n <= max_reread_rows && (beta == T(0) || beta == T(1)))
-                return head_nn<Dk>(m, n, a, lda, y, ldy, o, ldo, beta != T(0));
+            if (rows_route(m, n, Dk, true, beta)) return head_nn<Dk>(m, n, a, lda, y, ldy, o, ldo, beta != T(0));
         gemm::gemm_nn(m, Dk, n, a, lda, y, ldy, o, ldo, beta);
     }
-    /// O[N,Dk] = beta·O + A[M,N]ᵀ·X[M,Dk], beta 0 or 1
+    /// O[N,Dk] = beta·O + A[M,N]ᵀ·X[M,Dk]
     template <index_t Dk, class T>
     static void head_gemm_tn(index_t m, index_t n, const T* a, index_t lda, const T* x, index_t ldx, T* o, index_t ldo,
                              T beta = T(0)) {
         if constexpr (fits<T, Dk>)
-            if (m <= max_reread_rows && n <= max_reread_rows && (beta == T(0) || beta == T(1)))
-                return head_tn<Dk>(m, n, a, lda, x, ldx, o, ldo, beta != T(0));
+            if (rows_route(m, n, Dk, false, beta)) return head_tn<Dk>(m, n, a, lda, x, ldx, o, ldo, beta != T(0));
         gemm::gemm_tn(n, Dk, m, a, lda, x, ldx, o, ldo, beta);
     }
 
@@ -76,24 +107,25 @@ struct head_products {
     template <class T>
     static void head_gemm_nt(index_t dk, index_t m, index_t n, const T* x, index_t ldx, const T* y, index_t ldy, T* s,
                              index_t lds) {
-        if (fits_runtime<T>(dk))
-            if (n <= 8 || (n <= 16 && m <= 16)) return head_nt_impl<0>(dk, m, n, x, ldx, y, ldy, s, lds);
+        if (fits_runtime<T>(dk)) {
+            const route r = nt_route(m, n, dk);
+            if (r == route::reduce) return head_nt_impl<0>(dk, m, n, x, ldx, y, ldy, s, lds);
+            if (r == route::tiles) return head_nt_wide_impl<0>(dk, m, n, x, ldx, y, ldy, s, lds);
+        }
         gemm::gemm_nt(m, n, dk, x, ldx, y, ldy, s, lds);
     }
     template <class T>
     static void head_gemm_nn(index_t dk, index_t m, index_t n, const T* a, index_t lda, const T* y, index_t ldy, T* o,
                              index_t ldo, T beta = T(0)) {
-        if (fits_runtime<T>(dk))
-            if (n <= max_reread_rows && (beta == T(0) || beta == T(1)))
-                return head_nn_impl<0>(dk, m, n, a, lda, y, ldy, o, ldo, beta != T(0));
+        if (fits_runtime<T>(dk) && rows_route(m, n, dk, true, beta))
+            return head_nn_impl<0>(dk, m, n, a, lda, y, ldy, o, ldo, beta != T(0));
         gemm::gemm_nn(m, dk, n, a, lda, y, ldy, o, ldo, beta);
     }
     template <class T>
     static void head_gemm_tn(index_t dk, index_t m, index_t n, const T* a, index_t lda, const T* x, index_t ldx, T* o,
                              index_t ldo, T beta = T(0)) {
-        if (fits_runtime<T>(dk))
-            if (m <= max_reread_rows && n <= max_reread_rows && (beta == T(0) || beta == T(1)))
-                return head_tn_impl<0>(dk, m, n, a, lda, x, ldx, o, ldo, beta != T(0));
+        if (fits_runtime<T>(dk) && rows_route(m, n, dk, false, beta))
+            return head_tn_impl<0>(dk, m, n, a, lda, x, ldx, o, ldo, beta != T(0));
         gemm::gemm_tn(n, dk, m, a, lda, x, ldx, o, ldo, beta);
     }
 
@@ -109,6 +141,18 @@ struct head_products {
         head_nt_impl<0>(dk, m, n, x, ldx, y_in, ldy_in, s, lds);
     }
 
+    /// S[i, j] = Σ_d X[i, d]·Y[j, d] over many keys: scores as vectors along j (register tiles of rows ×
+    /// two vectors, Yᵀ copied a block at a time), one FMA chain over d per score.
+    template <index_t Dk, class T>
+    static void head_nt_wide(index_t m, index_t n, const T* x, index_t ldx, const T* y, index_t ldy, T* s, index_t lds) {
+        head_nt_wide_impl<Dk>(Dk, m, n, x, ldx, y, ldy, s, lds);
+    }
+    template <class T>
+    static void head_nt_wide(index_t dk, index_t m, index_t n, const T* x, index_t ldx, const T* y, index_t ldy, T* s,
+                             index_t lds) {
+        head_nt_wide_impl<0>(dk, m, n, x, ldx, y, ldy, s, lds);
+    }
+
     /// O[i, :] (= or +=) Σ_j A[i, j]·Y[j, :]
     template <index_t Dk, class T>
     static void head_nn(index_t m, index_t n, const T* a, index_t lda, const T* y_in, index_t ldy_in, T* o, index_t ldo,
@@ -122,7 +166,6 @@ struct head_products {
     }
 
     /// O[j, :] (= or +=) Σ_i A[i, j]·X[i, :]
-    /// (Taken max_reread_rows rows of X at a time.)
     template <index_t Dk, class T>
     static void head_tn(index_t m, index_t n, const T* a, index_t lda, const T* x_in, index_t ldx_in, T* o, index_t ldo,
                         bool accumulate = false) {
@@ -180,53 +223,162 @@ private:
     template <index_t Dk, class T>
     static void head_nn_impl(index_t dk, index_t m, index_t n, const T* a, index_t lda, const T* y_in, index_t ldy_in,
                              T* o, index_t ldo, bool accumulate) {
-        using B = simd::batch<T>;
-        constexpr index_t W = simd::width<T>, VMax = max_vectors<Dk, T>;
-        const index_t V = (Dk > 0 ? Dk : dk) / W;
-        alignas(64) T pack[max_reread_rows * VMax * W];
-        const T* y = m > 2 ? packed<Dk>(Dk > 0 ? Dk : dk, n, y_in, ldy_in, pack) : y_in;
-        const index_t ldy = m > 2 ? (Dk > 0 ? Dk : dk) : ldy_in;
-        index_t i = 0;
-        for (; i + 2 <= m; i += 2) {  // two rows share each load of Y
-            B c0[VMax], c1[VMax];
-            for (index_t v = 0; v < V; ++v) {
-                c0[v] = accumulate ? simd::load(o + i * ldo + v * W) : simd::splat<T>(0);
-                c1[v] = accumulate ? simd::load(o + (i + 1) * ldo + v * W) : simd::splat<T>(0);
-            }
-            const T *a0 = a + i * lda, *a1 = a0 + lda;
-            for (index_t j = 0; j < n; ++j) {
-                const B s0 = simd::splat(a0[j]), s1 = simd::splat(a1[j]);
-                for (index_t v = 0; v < V; ++v) {
-                    const B yj = simd::load(y + j * ldy + v * W);
-                    c0[v] = xsimd::fma(s0, yj, c0[v]);
-                    c1[v] = xsimd::fma(s1, yj, c1[v]);
-                }
-            }
-            for (index_t v = 0; v < V; ++v) {
-                simd::store(o + i * ldo + v * W, c0[v]);
-                simd::store(o + (i + 1) * ldo + v * W, c1[v]);
-            }
-        }
-        for (; i < m; ++i) {
-            B c0[VMax];
-            for (index_t v = 0; v < V; ++v) c0[v] = accumulate ? simd::load(o + i * ldo + v * W) : simd::splat<T>(0);
-            for (index_t j = 0; j < n; ++j) {
-                const B s0 = simd::splat(a[i * lda + j]);
-                for (index_t v = 0; v < V; ++v) c0[v] = xsimd::fma(s0, simd::load(y + j * ldy + v * W), c0[v]);
-            }
-            for (index_t v = 0; v < V; ++v) simd::store(o + i * ldo + v * W, c0[v]);
-        }
+        rows_product<Dk>(dk, m, n, a, lda, 1, y_in, ldy_in, o, ldo, accumulate);
     }
 
     template <index_t Dk, class T>
     static void head_tn_impl(index_t dk, index_t m, index_t n, const T* a, index_t lda, const T* x_in, index_t ldx_in,
                              T* o, index_t ldo, bool accumulate) {
-        index_t i0 = 0;
-        do {  // at least once: m = 0 still writes O = 0 when not accumulating
-            head_tn_block<Dk>(dk, std::min(max_reread_rows, m - i0), n, a + i0 * lda, lda, x_in + i0 * ldx_in, ldx_in,
-                              o, ldo, accumulate || i0 > 0);
-            i0 += max_reread_rows;
-        } while (i0 < m);
+        rows_product<Dk>(dk, n, m, a, 1, lda, x_in, ldx_in, o, ldo, accumulate);
+    }
+
+    // nn and tn are one product over register tiles: O[r, :] (= or +=) Σ_p c(r, p)·Y[p, :] for rows
+    // r < rows, depth p < depth, with coefficients c(r, p) = a[r·rs + p·ps] (nn: A's row r, rs = lda,
+    // ps = 1; tn: A's column r, rs = 1, ps = lda). A tile holds R rows × VC vectors of O in
+    // registers; every element is one FMA chain over p in order, from 0 or from O (across depth
+    // blocks through O's memory, which keeps the value), so the tile shapes, the blocks and the route
+    // (compile-time or runtime d_k) leave the bits alone. Y's rows are copied a depth block at a time
+    // (Y_BLOCK floats, L1) to the stack when there is more than one row tile to share them: a head's
+    // rows lie batch·D or 2·batch·D floats apart, and a few of them fill one L1 set.
+
+    /// Accumulator registers a tile may use: 12 of AVX2's 16, 24 of AVX-512's 32 (the rest hold the
+    /// loaded row and the broadcasts).
+    template <class T>
+    static constexpr index_t tile_registers = sizeof(simd::batch<T>) >= 64 ? 24 : 12;
+    /// Vectors of O per tile row (a row wider than that is split into column chunks).
+    static constexpr index_t max_tile_vectors = 4;
+    /// The stack block Y's rows (nn, tn) or Yᵀ's columns (nt) are copied to: 16 KiB of float.
+    static constexpr index_t y_block = 4096;
+
+    template <index_t R, index_t VC, class T>
+    [[gnu::always_inline]] static inline void rows_tile(index_t depth, const T* a, index_t rs, index_t ps, const T* y,
+                                                        index_t ldy, T* o, index_t ldo, bool load_o) {
+        using B = simd::batch<T>;
+        constexpr index_t W = simd::width<T>;
+        B c[R][VC];
+        for (index_t r = 0; r < R; ++r)
+            for (index_t v = 0; v < VC; ++v) c[r][v] = load_o ? simd::load(o + r * ldo + v * W) : simd::splat<T>(0);
+        for (index_t p = 0; p < depth; ++p) {
+            B yv[VC];
+            for (index_t v = 0; v < VC; ++v) yv[v] = simd::load(y + p * ldy + v * W);
+            for (index_t r = 0; r < R; ++r) {
+                const B s = simd::splat(a[r * rs + p * ps]);
+                for (index_t v = 0; v < VC; ++v) c[r][v] = xsimd::fma(s, yv[v], c[r][v]);
+            }
+        }
+        for (index_t r = 0; r < R; ++r)
+            for (index_t v = 0; v < VC; ++v) simd::store(o + r * ldo + v * W, c[r][v]);
+    }
+
+    /// Every row tile of one column chunk of VC vectors over one depth block.
+    template <index_t VC, class T>
+    static void rows_chunk(index_t rows, index_t depth, const T* a, index_t rs, index_t ps, const T* y, index_t ldy,
+                           T* o, index_t ldo, bool load_o) {
+        constexpr index_t R = std::min<index_t>(12, tile_registers<T> / VC);
+        index_t r = 0;
+        for (; r + R <= rows; r += R) rows_tile<R, VC>(depth, a + r * rs, rs, ps, y, ldy, o + r * ldo, ldo, load_o);
+        if (r < rows)
+            with_rows<R - 1>(rows - r, [&]<index_t Rt>() {
+                rows_tile<Rt, VC>(depth, a + r * rs, rs, ps, y, ldy, o + r * ldo, ldo, load_o);
+            });
+    }
+
+    /// f.template operator()<rows>() for a runtime 1 ≤ rows ≤ Max: the remainder of a tile loop as one tile.
+    template <index_t Max, class F>
+    [[gnu::always_inline]] static inline void with_rows(index_t rows, F&& f) {
+        if constexpr (Max > 1)
+            if (rows < Max) return with_rows<Max - 1>(rows, f);
+        f.template operator()<Max>();
+    }
+
+    template <index_t Dk_, class T>
+    static void rows_product(index_t dk, index_t rows, index_t depth, const T* a, index_t rs, index_t ps, const T* y_in,
+                             index_t ldy_in, T* o, index_t ldo, bool accumulate) {
+        constexpr index_t W = simd::width<T>;
+        const index_t Dk = Dk_ > 0 ? Dk_ : dk, V = Dk / W;
+        const index_t block = std::max<index_t>(1, y_block / Dk);
+        const bool copy = rows > 2;
+        alignas(64) T pack[y_block];
+        index_t p0 = 0;
+        do {  // at least once: depth 0 still writes O = 0 when not accumulating
+            const index_t pb = std::min(block, depth - p0);
+            const T* y = copy ? packed<Dk_>(Dk, pb, y_in + p0 * ldy_in, ldy_in, pack) : y_in + p0 * ldy_in;
+            const index_t ldy = copy ? Dk : ldy_in;
+            const bool load_o = accumulate || p0 > 0;
+            const T* ab = a + p0 * ps;
+            for (index_t v0 = 0; v0 < V; v0 += max_tile_vectors) {
+                const index_t vc = std::min(max_tile_vectors, V - v0);
+                const T* yc = y + v0 * W;
+                T* oc = o + v0 * W;
+                if (vc == 4) rows_chunk<4>(rows, pb, ab, rs, ps, yc, ldy, oc, ldo, load_o);
+                else if (vc == 3) rows_chunk<3>(rows, pb, ab, rs, ps, yc, ldy, oc, ldo, load_o);
+                else if (vc == 2) rows_chunk<2>(rows, pb, ab, rs, ps, yc, ldy, oc, ldo, load_o);
+                else rows_chunk<1>(rows, pb, ab, rs, ps, yc, ldy, oc, ldo, load_o);
+            }
+            p0 += block;
+        } while (p0 < depth);
+    }
+
+    // nt over many keys: S[i, j] = Σ_d X[i, d]·Y[j, d] with the scores as vectors along j. Yᵀ is
+    // copied a block of columns at a time to the stack ([Dk, nb], zero past n), and a tile holds
+    // R rows × 2 vectors of S, one FMA chain over d per score.
+    template <index_t R, class T>
+    [[gnu::always_inline]] static inline void nt_tile(index_t dk, const T* x, index_t ldx, const T* yt, index_t ldyt,
+                                                      T* s, index_t lds, index_t cols) {
+        using B = simd::batch<T>;
+        constexpr index_t W = simd::width<T>;
+        B c[R][2];
+        for (index_t r = 0; r < R; ++r) c[r][0] = c[r][1] = simd::splat<T>(0);
+        for (index_t d = 0; d < dk; ++d) {
+            const B y0 = simd::load(yt + d * ldyt), y1 = simd::load(yt + d * ldyt + W);
+            for (index_t r = 0; r < R; ++r) {
+                const B xs = simd::splat(x[r * ldx + d]);
+                c[r][0] = xsimd::fma(xs, y0, c[r][0]);
+                c[r][1] = xsimd::fma(xs, y1, c[r][1]);
+            }
+        }
+        if (cols == 2 * W) {
+            for (index_t r = 0; r < R; ++r) {
+                simd::store(s + r * lds, c[r][0]);
+                simd::store(s + r * lds + W, c[r][1]);
+            }
+        } else {
+            alignas(64) T tmp[2 * W];
+            for (index_t r = 0; r < R; ++r) {
+                simd::store(tmp, c[r][0]);
+                simd::store(tmp + W, c[r][1]);
+                for (index_t j = 0; j < cols; ++j) s[r * lds + j] = tmp[j];
+            }
+        }
+    }
+
+    template <index_t Dk_, class T>
+    static void head_nt_wide_impl(index_t dk, index_t m, index_t n, const T* x, index_t ldx, const T* y, index_t ldy, T* s,
+                             index_t lds) {
+        constexpr index_t W = simd::width<T>, NR = 2 * W;
+        constexpr index_t R = std::min<index_t>(12, tile_registers<T> / 2);
+        const index_t Dk = Dk_ > 0 ? Dk_ : dk;
+        const index_t nb = std::max<index_t>(NR, y_block / Dk / NR * NR);  // Yᵀ's columns per block
+        alignas(64) T pack[y_block];  // nb·Dk ≤ y_block: fits keeps Dk ≤ 8 vectors ≤ y_block / NR
+        for (index_t j0 = 0; j0 < n; j0 += nb) {
+            const index_t cols = std::min(nb, n - j0), ldyt = (cols + NR - 1) / NR * NR;
+            for (index_t j = 0; j < cols; ++j) {
+                prefetch_row(y + (j0 + j + prefetch_ahead) * ldy, Dk);
+                for (index_t d = 0; d < Dk; ++d) pack[d * ldyt + j] = y[(j0 + j) * ldy + d];
+            }
+            for (index_t j = cols; j < ldyt; ++j)
+                for (index_t d = 0; d < Dk; ++d) pack[d * ldyt + j] = T(0);
+            index_t i = 0;
+            for (; i + R <= m; i += R)
+                for (index_t j = 0; j < cols; j += NR)
+                    nt_tile<R>(Dk, x + i * ldx, ldx, pack + j, ldyt, s + i * lds + j0 + j, lds, std::min(NR, cols - j));
+            if (i < m)
+                with_rows<R - 1>(m - i, [&]<index_t Rt>() {
+                    for (index_t j = 0; j < cols; j += NR)
+                        nt_tile<Rt>(Dk, x + i * ldx, ldx, pack + j, ldyt, s + i * lds + j0 + j, lds,
+                                    std::min(NR, cols - j));
+                });
+        }
     }
 
 public:
@@ -351,46 +503,6 @@ private:
         for (; r < n; ++r) add_rows.template operator()<1>(r);
     }
 
-    template <index_t Dk, class T>
-    static void head_tn_block(index_t dk, index_t m, index_t n, const T* a, index_t lda, const T* x_in, index_t ldx_in,
-                              T* o, index_t ldo, bool accumulate) {
-        using B = simd::batch<T>;
-        constexpr index_t W = simd::width<T>, VMax = max_vectors<Dk, T>;
-        const index_t V = (Dk > 0 ? Dk : dk) / W;
-        alignas(64) T pack[max_reread_rows * VMax * W];
-        const T* x = n > 2 ? packed<Dk>(Dk > 0 ? Dk : dk, m, x_in, ldx_in, pack) : x_in;
-        const index_t ldx = n > 2 ? (Dk > 0 ? Dk : dk) : ldx_in;
-        index_t j = 0;
-        for (; j + 2 <= n; j += 2) {  // two output rows share each load of X
-            B c0[VMax], c1[VMax];
-            for (index_t v = 0; v < V; ++v) {
-                c0[v] = accumulate ? simd::load(o + j * ldo + v * W) : simd::splat<T>(0);
-                c1[v] = accumulate ? simd::load(o + (j + 1) * ldo + v * W) : simd::splat<T>(0);
-            }
-            for (index_t i = 0; i < m; ++i) {
-                const B s0 = simd::splat(a[i * lda + j]), s1 = simd::splat(a[i * lda + j + 1]);
-                for (index_t v = 0; v < V; ++v) {
-                    const B xi = simd::load(x + i * ldx + v * W);
-                    c0[v] = xsimd::fma(s0, xi, c0[v]);
-                    c1[v] = xsimd::fma(s1, xi, c1[v]);
-                }
-            }
-            for (index_t v = 0; v < V; ++v) {
-                simd::store(o + j * ldo + v * W, c0[v]);
-                simd::store(o + (j + 1) * ldo + v * W, c1[v]);
-            }
-        }
-        for (; j < n; ++j) {
-            B c0[VMax];
-            for (index_t v = 0; v < V; ++v) c0[v] = accumulate ? simd::load(o + j * ldo + v * W) : simd::splat<T>(0);
-            for (index_t i = 0; i < m; ++i) {
-                const B s0 = simd::splat(a[i * lda + j]);
-                for (index_t v = 0; v < V; ++v) c0[v] = xsimd::fma(s0, simd::load(x + i * ldx + v * W), c0[v]);
-            }
-            for (index_t v = 0; v < V; ++v) simd::store(o + j * ldo + v * W, c0[v]);
-        }
-    }
-
     // The rows of an operand read more than once, copied to contiguous stack memory: a head's rows
     // lie batch·D floats apart (A: 16 or 32 KiB), so more than a few of them share one L1 set.
     // (dk == Dk when Dk > 0.)
@@ -398,9 +510,21 @@ private:
     static const T* packed(index_t dk, index_t rows, const T* p, index_t ld, T* pack) {
         constexpr index_t W = simd::width<T>;
         const index_t row = Dk > 0 ? Dk : dk, V = row / W;
-        for (index_t r = 0; r < rows; ++r)
+        for (index_t r = 0; r < rows; ++r) {
+            prefetch_row(p + (r + prefetch_ahead) * ld, row);
             for (index_t v = 0; v < V; ++v) simd::store(pack + r * row + v * W, simd::load(p + r * ld + v * W));
+        }
         return pack;
+    }
+
+    // Copies read a head's rows far apart (a new page each, for the keys and values): the loads of one
+    // row wait on memory, and the out-of-order window holds one or two rows' worth of them. Asking for
+    // the row prefetch_ahead rows on (past the end: a prefetch never faults) overlaps the misses; the
+    // pack of the keys was a third of the scores' time in configuration B's forward without it.
+    static constexpr index_t prefetch_ahead = 8;
+    template <class T>
+    static void prefetch_row(const T* p, index_t n) {
+        for (index_t i = 0; i < n; i += index_t(64 / sizeof(T))) __builtin_prefetch(p + i);
     }
 };
 

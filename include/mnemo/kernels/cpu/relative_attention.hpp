@@ -52,7 +52,7 @@ public:
         const bool one_query = q_len_ == 1 && !absorb;
         if (!one_query)
             for_each_head(qb * w * Dk, [&](index_t h) {
-                K::gemm_nt(qb, w, Dk, s.q + h * Dk, D, s.r_win + h * Dk, D, pos + h * qb * w, w);
+                heads::gemm_nt(index_t(Dk), qb, w, s.q + h * Dk, D, s.r_win + h * Dk, D, pos + h * qb * w, w);
             });
         T* attn = s.attn;
         const T scale = s.scale;
@@ -159,7 +159,7 @@ public:
             const T* ph = d_pos + h * qb * w;
             T* col = cols + h * w;
             heads::gemm_nn(index_t(Dk), qb, w, ph, w, r_win + h * Dk, D, s.dq + h * Dk, D);
-            K::gemm_tn(w, Dk, qb, ph, w, s.q + h * Dk, D, dr_win + h * Dk, D, T(1));
+            heads::gemm_tn(index_t(Dk), qb, w, ph, w, s.q + h * Dk, D, dr_win + h * Dk, D, T(1));
             for (index_t c = 0; c < w; ++c) col[c] = T(0);
             K::sum_rows_accumulate(qb, w, ph, w, col);
             for (index_t c = 0; c < w; ++c) ds_win[c * H + h] += col[c];
