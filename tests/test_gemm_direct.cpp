@@ -1,8 +1,10 @@
-// The unpacked AVX-512 kernels (kernels/cpu/gemm_direct.hpp, through gemm::gemm_nn_direct and
-// gemm_nt_direct) against a double-precision reference: every tile height 1-14 and the equal-height
-// row split, column edges (1, 15, 16, 17, 31, 32, 33 columns), k from 1 to past 128, strided operands
-// with padding that must stay untouched, beta 0 over NaN, beta 1 and beta 0.5; no allocation in
-// steady state. Double goes to Eigen (checked too). Builds without AVX-512 test the Eigen fallback.
+// The unpacked kernels (kernels/cpu/gemm_direct.hpp, through gemm::gemm_nn_direct and gemm_nt_direct:
+// the build's widest instruction set, AVX-512 or AVX2) against a double-precision reference: every
+// tile height (1-14 on AVX-512, 1-6 on AVX2) and the equal-height row split, column edges (1, 7, 8, 9,
+// 15, 16, 17, 31, 32, 33 columns), k from 1 to past 128, strided operands with padding that must stay
+// untouched, beta 0 over NaN, beta 1 and beta 0.5; no allocation in steady state. Double goes to
+// Eigen (checked too), as does everything on builds without AVX2 + FMA. AVX-512 builds also run the
+// AVX2 kernel by name.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -19,7 +21,21 @@ using K = mnemo::ops<mnemo::cpu>;
 
 namespace {
 
-template <class T>
+// The products under test: the dispatch (gemm::gemm_*_direct), or one instruction set's kernel.
+struct through_dispatch {
+    template <class T>
+    static void nt(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c, index_t ldc,
+                   T beta) {
+        K::gemm_nt_direct(m, n, k, a, lda, b, ldb, c, ldc, beta);
+    }
+    template <class T>
+    static void nn(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c, index_t ldc,
+                   T beta) {
+        K::gemm_nn_direct(m, n, k, a, lda, b, ldb, c, ldc, beta);
+    }
+};
+
+template <class T, class Path = through_dispatch>
 void check_direct(bool transposed_b, index_t m, index_t n, index_t k, T beta, std::uint64_t seed) {
     const index_t pad = 3, lda = k + pad, ldb = (transposed_b ? k : n) + pad, ldc = n + pad;
     const auto a = mnemo::testing::random_vector<T>(m * lda, seed);
@@ -32,8 +48,8 @@ void check_direct(bool transposed_b, index_t m, index_t n, index_t k, T beta, st
             for (index_t j = 0; j < n; ++j) c[i * ldc + j] = std::numeric_limits<T>::quiet_NaN();
     }
     const auto c0 = c;
-    if (transposed_b) K::gemm_nt_direct(m, n, k, a.data(), lda, b.data(), ldb, c.data(), ldc, beta);
-    else K::gemm_nn_direct(m, n, k, a.data(), lda, b.data(), ldb, c.data(), ldc, beta);
+    if (transposed_b) Path::nt(m, n, k, a.data(), lda, b.data(), ldb, c.data(), ldc, beta);
+    else Path::nn(m, n, k, a.data(), lda, b.data(), ldb, c.data(), ldc, beta);
     double worst = 0;
     bool padding_kept = true;
     for (index_t i = 0; i < m; ++i) {
@@ -54,25 +70,52 @@ void check_direct(bool transposed_b, index_t m, index_t n, index_t k, T beta, st
     CHECK(padding_kept);
 }
 
+template <class Path>
+void sweep_float(std::uint64_t& seed) {
+    for (bool t : {false, true})
+        for (index_t m : {1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 14, 15, 28, 29, 32, 33, 45})
+            for (index_t n : {1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 70})
+                for (index_t k : {1, 3, 8, 16, 17, 130})
+                    check_direct<float, Path>(t, m, n, k, 0.0f, seed++);
+    for (bool t : {false, true})
+        for (float beta : {1.0f, 0.5f}) {
+            check_direct<float, Path>(t, 32, 128, 136, beta, seed++);
+            check_direct<float, Path>(t, 11, 33, 40, beta, seed++);
+        }
+}
+
+#ifdef __AVX512F__
+template <class Isa>
+struct through_kernel {
+    using D = mnemo::cpu_kernels::gemm_direct_t<Isa>;
+    static void nt(index_t m, index_t n, index_t k, const float* a, index_t lda, const float* b, index_t ldb, float* c,
+                   index_t ldc, float beta) {
+        D::gemm_nt(m, n, k, a, lda, b, ldb, c, ldc, beta);
+    }
+    static void nn(index_t m, index_t n, index_t k, const float* a, index_t lda, const float* b, index_t ldb, float* c,
+                   index_t ldc, float beta) {
+        D::gemm_nn(m, n, k, a, lda, b, ldb, c, ldc, beta);
+    }
+};
+#endif
+
 }  // namespace
 
 TEST_CASE("gemm direct: nn and nt against a double reference over tile heights, edges and depths") {
     std::uint64_t seed = 1;
-    for (bool t : {false, true})
-        for (index_t m : {1, 2, 5, 7, 13, 14, 15, 28, 29, 32, 33, 45})
-            for (index_t n : {1, 15, 16, 17, 31, 32, 33, 70})
-                for (index_t k : {1, 3, 16, 17, 130})
-                    check_direct<float>(t, m, n, k, 0.0f, seed++);
-    for (bool t : {false, true})
-        for (float beta : {1.0f, 0.5f}) {
-            check_direct<float>(t, 32, 128, 136, beta, seed++);
-            check_direct<float>(t, 11, 33, 40, beta, seed++);
-        }
+    sweep_float<through_dispatch>(seed);
     for (bool t : {false, true}) {
         check_direct<double>(t, 9, 20, 7, 0.0, seed++);
         check_direct<double>(t, 9, 20, 7, 1.0, seed++);
     }
 }
+
+#ifdef __AVX512F__
+TEST_CASE("gemm direct: the AVX2 kernel by name (also on AVX-512 builds, where the dispatch takes AVX-512's)") {
+    std::uint64_t seed = 1000;
+    sweep_float<through_kernel<mnemo::cpu_kernels::packed_isa_avx2>>(seed);
+}
+#endif
 
 TEST_CASE("gemm direct: no allocation in steady state") {
     const index_t m = 32, n = 136, k = 128;

@@ -93,7 +93,6 @@
 
 #include "../../core/shape.hpp"
 #include "gemm_direct.hpp"
-#include "gemm_packed.hpp"
 
 namespace mnemo::cpu_kernels {
 
@@ -308,9 +307,11 @@ struct gemm {
     }
 
     /// One-thread products whose operands are better read in place than packed (gemm_direct.hpp:
-    /// float on AVX-512 builds; Eigen otherwise): C = beta·C + A·B (nn) or A·Bᵀ (nt), alpha 1. For a
-    /// caller that knows its shapes, such as the absorbed memory attention's per-batch-element
-    /// products over strided rows (there 1.3× (nn) and 1.7× (nt) Eigen's speed).
+    /// float on AVX-512 and AVX2 + FMA builds; Eigen otherwise): C = beta·C + A·B (nn) or A·Bᵀ (nt),
+    /// alpha 1. For a caller that knows its shapes, such as the absorbed memory attention's
+    /// per-batch-element products over strided rows (there, AVX-512 on Zen 5: 1.3× (nn) and 1.7× (nt)
+    /// Eigen's speed; AVX2 on Zen 2, configuration A's 32×136×128 over rows 4096 floats apart: 1.14×
+    /// and 1.85×).
     /// Measured and not kept: sending every float product with A and B under 64K floats here (rows
     /// split over threads). Alone, with hot operands, those ran 1.1-1.5× Eigen and up to 1.15× the
     /// packed kernel (configuration A's 128-256-sided linears); inside A's training step, where the
@@ -318,7 +319,7 @@ struct gemm {
     template <class T>
     static void gemm_nn_direct(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
                                index_t ldc, T beta = T(0)) {
-#ifdef __AVX512F__
+#ifdef MNEMO_PACKED_GEMM
         if constexpr (std::is_same_v<T, float>) return gemm_direct::gemm_nn(m, n, k, a, lda, b, ldb, c, ldc, beta);
 #endif
         gemm_nn_eigen(m, n, k, a, lda, b, ldb, c, ldc, beta, T(1));
@@ -326,7 +327,7 @@ struct gemm {
     template <class T>
     static void gemm_nt_direct(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
                                index_t ldc, T beta = T(0)) {
-#ifdef __AVX512F__
+#ifdef MNEMO_PACKED_GEMM
         if constexpr (std::is_same_v<T, float>) return gemm_direct::gemm_nt(m, n, k, a, lda, b, ldb, c, ldc, beta);
 #endif
         gemm_nt_eigen(m, n, k, a, lda, b, ldb, c, ldc, beta, T(1));

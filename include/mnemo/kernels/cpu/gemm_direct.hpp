@@ -1,83 +1,83 @@
 #pragma once
-// Single-precision GEMM for AVX-512 that reads its operands where they lie: no packing. For products
-// small enough to run on one thread (tens of thousands to a few million multiply-adds) whose
-// operands are re-read too few times to repay a packed copy, in particular the absorbed memory
-// attention's per-batch-element products [H·Q, D]·ẑᵀ and [H·Q, M]·ẑ (nn/attention/relative.hpp), where
-// ẑ's rows lie B·D floats apart and Eigen spent a fifth of its time copying them into panels.
+// Single-precision GEMM that reads its operands where they lie: no packing. For products small
+// enough to run on one thread (tens of thousands to a few million multiply-adds) whose operands are
+// re-read too few times to repay a packed copy, in particular the absorbed memory attention's
+// per-batch-element products [H·Q, D]·ẑᵀ and [H·Q, M]·ẑ (nn/attention/relative.hpp), where ẑ's rows
+// lie B·D floats apart and Eigen spent a fifth of its time copying them into panels (and, on AVX2,
+// a quarter of configuration A's training step in its GEBP kernel and packing).
 //
-// gemm_nn: C[M,N] = beta·C + A[M,K]·B[K,N]. A tile of C of MR ≤ 14 rows × 32 columns lives in
-//   2·MR zmm accumulators; each step over k loads two vectors of B's row k (masked at C's right
-//   edge) and broadcasts MR floats of A's column k. Column blocks of 32 outside, row tiles inside:
-//   a block of B (K × 128 bytes) comes from memory for the first row tile and from L1 for the
-//   others. Rows are cut into tiles of equal height (32 → 11, 11, 10), not 14 + 14 + 4.
-// gemm_nt: C[M,N] = beta·C + A[M,K]·B[N,K]ᵀ, as Cᵀ = B·Aᵀ on the kernel above: 32 rows of A at a
-//   time are transposed (16×16 in registers) into a [K, 32] block, the rows of B are the kernel's
-//   broadcast side (each read once), and the [N, 32] result is transposed into C. The two transposes
-//   move 32·(K + N) floats against 32·N·K multiply-adds.
+// One template, gemm_direct_t<Isa>, over the instruction sets of gemm_packed.hpp (packed_isa_avx512,
+// packed_isa_avx2: vector type, partial loads and stores, register transpose); gemm_direct is the
+// build's widest.
+// gemm_nn: C[M,N] = beta·C + A[M,K]·B[K,N]. A tile of C of MR ≤ mr rows × 2 vectors (AVX-512: 14 ×
+//   32 in 28 zmm; AVX2: 6 × 16 in 12 ymm) lives in registers; each step over k loads two vectors of
+//   B's row k (partial at C's right edge) and broadcasts MR floats of A's column k. Column blocks of
+//   two vectors outside, row tiles inside: a block of B comes from memory for the first row tile and
+//   from L1 for the others. Rows are cut into tiles of equal height (AVX-512, 32 → 11, 11, 10; not
+//   14 + 14 + 4).
+// gemm_nt: C[M,N] = beta·C + A[M,K]·B[N,K]ᵀ, as Cᵀ = B·Aᵀ on the kernel above: 2·lanes rows of A at a
+//   time are transposed (lanes × lanes in registers) into a [K, 2·lanes] block, the rows of B are the
+//   kernel's broadcast side (each read once), and the [N, 2·lanes] result is transposed into C. The
+//   two transposes move 2·lanes·(K + N) floats against 2·lanes·N·K multiply-adds.
 // Every element of C sums over k in order 0, 1, …, K − 1 with one FMA chain: results do not depend on
-// where tiles fall. Scratch is per thread, grown once: a steady-state call allocates nothing.
-#ifdef __AVX512F__
-#include <immintrin.h>
-
-#include <algorithm>
-
+// where tiles fall (they do on the instruction set: the AVX-512 and AVX2 kernels are each exact to
+// their own order, the same one, but a build's widest ISA decides which runs). Scratch is per
+// thread, grown once: a steady-state call allocates nothing.
 #include "gemm_packed.hpp"
+
+#ifdef MNEMO_PACKED_GEMM
+#include <algorithm>
 
 namespace mnemo::cpu_kernels {
 
-struct gemm_direct {
-    static constexpr index_t lanes = 16;
-    static constexpr index_t mr_max = 14;
+template <class Isa>
+struct gemm_direct_t {
+    using batch = typename Isa::batch;
+    using reg = typename Isa::reg;
+    static constexpr index_t lanes = Isa::lanes;
+    static constexpr index_t mr_max = Isa::mr;
     static constexpr index_t nr = 2 * lanes;
 
-    static __mmask16 mask(index_t n) { return packed_isa_avx512::mask(n); }
-
-    /// The tile: C[0:MR, 0:cols] (cols ≤ 32) = beta·C + A[0:MR, 0:k]·B[0:k, 0:cols].
+    /// The tile: C[0:MR, 0:cols] (cols ≤ 2·lanes) = beta·C + A[0:MR, 0:k]·B[0:k, 0:cols].
     template <int MR, bool Two>
     [[gnu::noinline]] static void tile(index_t k, const float* a, index_t lda, const float* b, index_t ldb, float* c,
                                        index_t ldc, index_t cols, float beta) {
-        __m512 acc[MR][2];
+        batch acc[MR][2];
 #pragma GCC unroll 16
-        for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-        const __mmask16 m0 = mask(cols), m1 = mask(cols - lanes);
+        for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = batch(0.0f);
+        const index_t c1 = cols - lanes;
         for (index_t p = 0; p < k; ++p) {
             const float* bp = b + p * ldb;
-            const __m512 b0 = _mm512_maskz_loadu_ps(m0, bp);
-            __m512 b1 = _mm512_setzero_ps();
-            if constexpr (Two) b1 = _mm512_maskz_loadu_ps(m1, bp + lanes);
+            const batch b0 = Isa::load_partial(bp, cols);
+            batch b1(0.0f);
+            if constexpr (Two) b1 = Isa::load_partial(bp + lanes, c1);
 #pragma GCC unroll 16
             for (int i = 0; i < MR; ++i) {
-                const __m512 ai = _mm512_set1_ps(a[i * lda + p]);
-                acc[i][0] = _mm512_fmadd_ps(ai, b0, acc[i][0]);
-                if constexpr (Two) acc[i][1] = _mm512_fmadd_ps(ai, b1, acc[i][1]);
+                const batch ai(a[i * lda + p]);
+                acc[i][0] = xsimd::fma(ai, b0, acc[i][0]);
+                if constexpr (Two) acc[i][1] = xsimd::fma(ai, b1, acc[i][1]);
             }
         }
-        const __m512 vb = _mm512_set1_ps(beta);
+        const batch vb(beta);
 #pragma GCC unroll 16
         for (int i = 0; i < MR; ++i) {
             float* ci = c + i * ldc;
             if (beta != 0.0f) {
-                acc[i][0] = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m0, ci), acc[i][0]);
-                if constexpr (Two) acc[i][1] = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m1, ci + lanes), acc[i][1]);
+                acc[i][0] = xsimd::fma(vb, batch(Isa::load_partial(ci, cols)), acc[i][0]);
+                if constexpr (Two) acc[i][1] = xsimd::fma(vb, batch(Isa::load_partial(ci + lanes, c1)), acc[i][1]);
             }
-            _mm512_mask_storeu_ps(ci, m0, acc[i][0]);
-            if constexpr (Two) _mm512_mask_storeu_ps(ci + lanes, m1, acc[i][1]);
+            Isa::store_partial(ci, cols, acc[i][0]);
+            if constexpr (Two) Isa::store_partial(ci + lanes, c1, acc[i][1]);
         }
     }
 
-    template <bool Two>
+    /// tile<rows, Two> for a runtime 1 ≤ rows ≤ mr_max.
+    template <bool Two, int R = int(mr_max)>
     static void tile_rows(index_t rows, index_t k, const float* a, index_t lda, const float* b, index_t ldb, float* c,
                           index_t ldc, index_t cols, float beta) {
-        switch (rows) {
-#define MNEMO_DIRECT_TILE(R) \
-    case R: return tile<R, Two>(k, a, lda, b, ldb, c, ldc, cols, beta);
-            MNEMO_DIRECT_TILE(1) MNEMO_DIRECT_TILE(2) MNEMO_DIRECT_TILE(3) MNEMO_DIRECT_TILE(4)
-            MNEMO_DIRECT_TILE(5) MNEMO_DIRECT_TILE(6) MNEMO_DIRECT_TILE(7) MNEMO_DIRECT_TILE(8)
-            MNEMO_DIRECT_TILE(9) MNEMO_DIRECT_TILE(10) MNEMO_DIRECT_TILE(11) MNEMO_DIRECT_TILE(12)
-            MNEMO_DIRECT_TILE(13) MNEMO_DIRECT_TILE(14)
-#undef MNEMO_DIRECT_TILE
-            default: break;
-        }
+        if constexpr (R > 1)
+            if (rows < R) return tile_rows<Two, R - 1>(rows, k, a, lda, b, ldb, c, ldc, cols, beta);
+        tile<R, Two>(k, a, lda, b, ldb, c, ldc, cols, beta);
     }
 
     /// C[M,N] = beta·C + A[M,K]·B[K,N] (row-major, row strides lda, ldb, ldc). beta = 0 never reads C.
@@ -100,40 +100,44 @@ struct gemm_direct {
                         float* c, index_t ldc, float beta = 0.0f) {
         if (m <= 0 || n <= 0) return;
         const index_t kp = (k + lanes - 1) / lanes * lanes, np = (n + lanes - 1) / lanes * lanes;
-        float* at = gemm_packed::thread_buffer(0, kp * nr + np * nr);  // Aᵀ block [K, 32], then Cᵀ [N, 32]
+        float* at = gemm_packed_t<Isa>::thread_buffer(0, kp * nr + np * nr);  // Aᵀ block [K, nr], then Cᵀ [N, nr]
         float* ct = at + kp * nr;
         for (index_t r0 = 0; r0 < m; r0 += nr) {
             const index_t rows = std::min(nr, m - r0);
-            // Aᵀ block: at[p·32 + i] = A[r0 + i, p], zero for i ≥ rows.
+            // Aᵀ block: at[p·nr + i] = A[r0 + i, p], zero for i ≥ rows.
             for (index_t i0 = 0; i0 < nr; i0 += lanes)
                 for (index_t p0 = 0; p0 < k; p0 += lanes) {
-                    const __mmask16 ld = mask(k - p0);
-                    __m512 x[16];
+                    reg x[lanes];
                     for (index_t i = 0; i < lanes; ++i)
-                        x[i] = i0 + i < rows ? _mm512_maskz_loadu_ps(ld, a + (r0 + i0 + i) * lda + p0) : _mm512_setzero_ps();
-                    packed_isa_avx512::transpose(x);
-                    for (index_t p = 0; p < std::min(lanes, k - p0); ++p) _mm512_storeu_ps(at + (p0 + p) * nr + i0, x[p]);
+                        x[i] = i0 + i < rows ? Isa::load_partial(a + (r0 + i0 + i) * lda + p0, k - p0) : Isa::zero();
+                    Isa::transpose(x);
+                    for (index_t p = 0; p < std::min(lanes, k - p0); ++p) Isa::storeu(at + (p0 + p) * nr + i0, x[p]);
                 }
             gemm_nn(n, rows, k, b, ldb, at, nr, ct, nr);  // Cᵀ [N, rows] = B·Aᵀ
-            // C[r0 + i, j] = beta·C + ct[j·32 + i]
-            const __m512 vb = _mm512_set1_ps(beta);
+            // C[r0 + i, j] = beta·C + ct[j·nr + i]
+            const batch vb(beta);
             for (index_t i0 = 0; i0 < rows; i0 += lanes)
                 for (index_t j0 = 0; j0 < n; j0 += lanes) {
-                    __m512 x[16];
+                    reg x[lanes];
                     for (index_t j = 0; j < lanes; ++j)
-                        x[j] = j0 + j < n ? _mm512_loadu_ps(ct + (j0 + j) * nr + i0) : _mm512_setzero_ps();
-                    packed_isa_avx512::transpose(x);
-                    const __mmask16 st = mask(n - j0);
+                        x[j] = j0 + j < n ? reg(batch::load_unaligned(ct + (j0 + j) * nr + i0)) : Isa::zero();
+                    Isa::transpose(x);
                     for (index_t i = 0; i < std::min(lanes, rows - i0); ++i) {
                         float* ci = c + (r0 + i0 + i) * ldc + j0;
-                        __m512 v = x[i];
-                        if (beta != 0.0f) v = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(st, ci), v);
-                        _mm512_mask_storeu_ps(ci, st, v);
+                        batch v(x[i]);
+                        if (beta != 0.0f) v = xsimd::fma(vb, batch(Isa::load_partial(ci, n - j0)), v);
+                        Isa::store_partial(ci, n - j0, v);
                     }
                 }
         }
     }
 };
+
+#ifdef __AVX512F__
+using gemm_direct = gemm_direct_t<packed_isa_avx512>;
+#else
+using gemm_direct = gemm_direct_t<packed_isa_avx2>;
+#endif
 
 }  // namespace mnemo::cpu_kernels
 #endif
