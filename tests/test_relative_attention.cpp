@@ -31,7 +31,8 @@ constexpr index_t D = 8, H = 2, Dk = 4;
 
 // Naive forward: out [Q·B, D] from zq [Q·B, D], zkv [K·B, D].
 std::vector<double> naive(mnemo::parameter_set<double>& ps, const std::string& n, const std::vector<double>& zq,
-                          const std::vector<double>& zkv, index_t Q, index_t Kn, index_t B, index_t P) {
+                          const std::vector<double>& zkv, index_t Q, index_t Kn, index_t B, index_t P,
+                          index_t clamp_len = 0) {
     auto val = [&](const std::string& t) { return ps.values() + ps.find(n + "." + t)->offset; };
     const double *wq = val("query.linear.weight"), *wk = val("key.linear.weight"), *wv = val("value.linear.weight"),
                  *bv = val("value.linear.bias"), *wo = val("output.weight"), *bo = val("output.bias"),
@@ -55,7 +56,7 @@ std::vector<double> naive(mnemo::parameter_set<double>& ps, const std::string& n
                 std::vector<double> sc(Kn, -std::numeric_limits<double>::infinity());
                 double mx = -1e300;
                 for (index_t j = 0; j <= mem + i; ++j) {
-                    const index_t delta = mem + i - j, row = P - delta;
+                    const index_t delta = clamp_len > 0 ? std::min(mem + i - j, clamp_len) : mem + i - j, row = P - delta;
                     double s = S[row * H + h];
                     for (index_t d = 0; d < Dk; ++d) {
                         const double qd = q[(i * B + b) * D + h * Dk + d];
@@ -156,6 +157,42 @@ TEST_CASE("relative_attention: backward matches finite differences") {
             else CHECK(g != 0.0);
         }
   }
+}
+
+// The positional terms are computed per block of query positions, each over its band of the window
+// (about 128 rows of [Q·B, W] a block): with 32 batch elements a block is 4 positions, so Q = 9 runs
+// three blocks, the last of one position. Forward against the formula (with distances clamped) and
+// backward against finite differences, on both memory routes.
+TEST_CASE("relative_attention: positional terms over several blocks of query positions, with clamp_len") {
+    const index_t mem = 3, Q = 9, Kn = mem + Q, B = 32, P = 16;
+    for (auto mode : modes)
+    for (index_t clamp : {0, 5}) {
+        INFO("absorbed=" << (mode == mnemo::memory_attention::absorbed) << " clamp_len=" << clamp);
+        mnemo::parameter_set<double> ps;
+        mnemo::relative_attention<double, cfg> attn(ps, "self_attn", P);
+        ps.allocate();
+        attn.set_memory_attention(mode);
+        if (clamp > 0) attn.set_clamp_len(clamp);
+        randomize_parameters(ps, 51 + clamp, -0.8, 0.8);
+        auto zkv = random_vector<double>(Kn * B * D, 52);
+        std::vector<double> zq(zkv.end() - Q * B * D, zkv.end());
+        auto r = random_vector<double>(Q * B * D, 53);
+        std::vector<double> out(Q * B * D), dzq(Q * B * D), dzkv(Kn * B * D);
+        auto loss = [&] {
+            attn.forward(view<const double, D>(zq.data(), Q * B), view<const double, D>(zkv.data(), Kn * B), B,
+                         view<double, D>(out.data(), Q * B));
+            return project(out, r);
+        };
+        loss();
+        check_close("relative_attention out", out, naive(ps, "self_attn", zq, zkv, Q, Kn, B, P, clamp), 1e-13, 1e-12);
+        ps.zero_grad();
+        attn.backward(view<const double, D>(zq.data(), Q * B), view<const double, D>(zkv.data(), Kn * B),
+                      view<const double, D>(r.data(), Q * B), view<double, D>(dzq.data(), Q * B),
+                      view<double, D>(dzkv.data(), Kn * B));
+        auto targets = parameter_targets(ps);
+        targets.push_back({"z_q", zq.data(), dzq});
+        check_gradients(loss, targets, 1e-6, 1e-6, 160);  // the 160 largest gradients of each tensor and a sample
+    }
 }
 
 // The absorbed route against the projected one (which the tests above tie to the formula and to

@@ -46,13 +46,18 @@ public:
     void forward() {
         const index_t qb = q_len_ * batch_, w = window(), mem = k_len_ - q_len_;
         const bool absorb = s.absorbed;
-        // q·R over the window of table rows [P − K, P + Q), one GEMM per head: pos[h] [Q·B, W]. (One
-        // query position over projected keys: one_query_forward computes it with the content scores.)
+        // q·R over the window of table rows [P − K, P + Q) into pos[h] [Q·B, W], per head and block of
+        // query positions over the block's band of columns only (pos_band). (One query position over
+        // projected keys: one_query_forward computes it with the content scores.)
         T* pos = s.pos;
         const bool one_query = q_len_ == 1 && !absorb;
         if (!one_query)
             for_each_head(qb * w * Dk, [&](index_t h) {
-                heads::gemm_nt(index_t(Dk), qb, w, s.q + h * Dk, D, s.r_win + h * Dk, D, pos + h * qb * w, w);
+                for_each_pos_block([&](index_t i0, index_t i1, index_t lo) {
+                    const index_t r0 = i0 * batch_;
+                    heads::gemm_nt(index_t(Dk), (i1 - i0) * batch_, k_len_ + 1 - lo, s.q + r0 * D + h * Dk, D,
+                                   s.r_win + lo * D + h * Dk, D, pos + h * qb * w + r0 * w + lo, w);
+                });
             });
         T* attn = s.attn;
         const T scale = s.scale;
@@ -129,11 +134,13 @@ public:
             K::softmax_backward(q_len_, k_len_, a, k_len_, ds, k_len_, ds, k_len_, scale);  // d raw score
             heads::gemm_nn(index_t(Dk), q_len_, kc, ds + c0, k_len_, kv + k_off, ldkv, dqu + off, ld);  // d(q+u)
             heads::gemm_tn(index_t(Dk), q_len_, kc, ds + c0, k_len_, qu + off, ld, dkv + k_off, ldkv);  // dk
-            // The positional scores' gradient lands on window column Q + j − i of row (i, b).
+            // The positional scores' gradient lands on window column Q + j − i of row (i, b); the rest
+            // of the row's band (the columns its block's products read) is zero.
             T* ph = d_pos + h * qb * w;
             for (index_t i = 0; i < q_len_; ++i) {
                 T* pi = ph + (i * batch_ + b) * w;
-                for (index_t c = 0; c < w; ++c) pi[c] = T(0);
+                const index_t i0 = i / pos_block() * pos_block();
+                for (index_t c = pos_band(std::min(q_len_, i0 + pos_block())); c <= k_len_; ++c) pi[c] = T(0);
                 const T* dsi = ds + i * k_len_;
                 const index_t visible = mem + i + 1, j0 = clamped(i);
                 for (index_t j = j0; j < visible; ++j) pi[q_len_ + j - i] = dsi[j];
@@ -152,16 +159,21 @@ public:
             absorbed_backward(s.z, s.ldz, qu, d_ctx, d_scores, dqu, head, s.frozen, s.d_zkv, s.ld_dzkv);
         }
 
-        // Per head: dq = d_pos·R_win, dR_win += d_posᵀ·q, dS_win += column sums of d_pos.
+        // Per head and block of query positions, over the block's band: dq = d_pos·R_win (assigned:
+        // each row in one block), dR_win += d_posᵀ·q, dS_win += column sums of d_pos.
         const T* r_win = s.r_win;
         T *dr_win = s.dr_win, *ds_win = s.ds_win, *cols = s.col_sums;
         for_each_head(qb * w * Dk, [&](index_t h) {
             const T* ph = d_pos + h * qb * w;
             T* col = cols + h * w;
-            heads::gemm_nn(index_t(Dk), qb, w, ph, w, r_win + h * Dk, D, s.dq + h * Dk, D);
-            heads::gemm_tn(index_t(Dk), qb, w, ph, w, s.q + h * Dk, D, dr_win + h * Dk, D, T(1));
             for (index_t c = 0; c < w; ++c) col[c] = T(0);
-            K::sum_rows_accumulate(qb, w, ph, w, col);
+            for_each_pos_block([&](index_t i0, index_t i1, index_t lo) {
+                const index_t r0 = i0 * batch_, rows = (i1 - i0) * batch_, n = k_len_ + 1 - lo;
+                const T* pb = ph + r0 * w + lo;
+                heads::gemm_nn(index_t(Dk), rows, n, pb, w, r_win + lo * D + h * Dk, D, s.dq + r0 * D + h * Dk, D);
+                heads::gemm_tn(index_t(Dk), rows, n, pb, w, s.q + r0 * D + h * Dk, D, dr_win + lo * D + h * Dk, D, T(1));
+                K::sum_rows_accumulate(rows, n, pb, w, col + lo);
+            });
             for (index_t c = 0; c < w; ++c) ds_win[c * H + h] += col[c];
         });
     }
@@ -181,6 +193,25 @@ private:
         parallel_range(H, H * work_per_head >= (index_t(1) << 16), [&](index_t h0, index_t h1) {
             for (index_t h = h0; h < h1; ++h) f(h);
         });
+    }
+    /// The positional products run per block of pos_block() query positions (about 128 rows of
+    /// [Q·B, W]), each over its band: row i reads window columns Q + j − i for its visible keys
+    /// j ∈ [clamped(i), M + i], that is [max(Q − i, K − clamp_len), K], so a block ending before
+    /// query i1 needs the columns [pos_band(i1), K]. Column 0 and those past K are never read, and
+    /// the early queries see less of the window: with Q = M = 128 the bands hold about 64% of the
+    /// full window's products.
+    index_t pos_block() const { return std::clamp<index_t>((128 + batch_ - 1) / batch_, 1, q_len_); }
+    index_t pos_band(index_t i1) const {
+        const index_t lo = q_len_ - i1 + 1;
+        return clamp_len_ > 0 ? std::max(lo, k_len_ - clamp_len_) : lo;
+    }
+    /// f(i0, i1, pos_band(i1)) for the blocks of query positions [i0, i1), in order.
+    template <class F>
+    void for_each_pos_block(F&& f) const {
+        for (index_t i0 = 0; i0 < q_len_; i0 += pos_block()) {
+            const index_t i1 = std::min(q_len_, i0 + pos_block());
+            f(i0, i1, pos_band(i1));
+        }
     }
     /// Keys j < clamped(i) of query i are farther than clamp_len (0 when clamping is off).
     index_t clamped(index_t i) const {
