@@ -279,3 +279,79 @@ TEST_CASE("head products with a runtime d_k: bitwise the compile-time ones") {
     check_runtime_width<double, 12>(seed += 1000);
     check_runtime_width<double, 32>(seed += 1000);
 }
+
+namespace {
+
+// A causal band (causal_keys{offset}: query row i sees keys j ≤ offset + i) on the dispatchers, against
+// the same products without it: nt's scores inside the band bitwise (the rest may stay unwritten);
+// nn (A·Y) and tn (Aᵀ·X) over weights that are zero past the band, as a masked softmax and its
+// backward leave them, bitwise whole, from 0 and accumulated onto O. Both the compile-time and the
+// runtime-width dispatchers.
+template <class T, index_t Dk>
+void check_band(index_t m, index_t n, index_t offset, std::uint64_t seed) {
+    using H = mnemo::cpu_kernels::head_products;
+    const H::causal_keys band{offset};
+    const index_t ld = Dk + 3, lda = n + 2;
+    const auto x = mnemo::testing::random_vector<T>(m * ld, seed);
+    const auto y = mnemo::testing::random_vector<T>(n * ld, seed + 1);
+    auto a = mnemo::testing::random_vector<T>(m * lda, seed + 2);
+    for (index_t i = 0; i < m; ++i)
+        for (index_t j = std::min(n, offset + i + 1); j < n; ++j) a[i * lda + j] = T(0);
+    INFO("d_k " << Dk << " m " << m << " n " << n << " offset " << offset);
+    const T nan = std::numeric_limits<T>::quiet_NaN();
+    for (bool runtime : {false, true}) {
+        INFO("runtime d_k " << runtime);
+        std::vector<T> full(m * lda, nan), banded(m * lda, nan);
+        if (runtime) {
+            K::head_gemm_nt(Dk, m, n, x.data(), ld, y.data(), ld, full.data(), lda);
+            K::head_gemm_nt(Dk, m, n, x.data(), ld, y.data(), ld, banded.data(), lda, band);
+        } else {
+            K::head_gemm_nt<Dk>(m, n, x.data(), ld, y.data(), ld, full.data(), lda);
+            K::head_gemm_nt<Dk>(m, n, x.data(), ld, y.data(), ld, banded.data(), lda, band);
+        }
+        bool same = true;
+        for (index_t i = 0; i < m; ++i)
+            for (index_t j = 0; j < std::min(n, offset + i + 1); ++j)
+                same = same && std::memcmp(&full[i * lda + j], &banded[i * lda + j], sizeof(T)) == 0;
+        CHECK(same);
+        for (T beta : {T(0), T(1)}) {
+            INFO("beta " << double(beta));
+            const auto start_nn = mnemo::testing::random_vector<T>(m * ld, seed + 3);
+            const auto start_tn = mnemo::testing::random_vector<T>(n * ld, seed + 4);
+            auto nn_full = start_nn, nn_band = start_nn, tn_full = start_tn, tn_band = start_tn;
+            if (runtime) {
+                K::head_gemm_nn(Dk, m, n, a.data(), lda, y.data(), ld, nn_full.data(), ld, beta);
+                K::head_gemm_nn(Dk, m, n, a.data(), lda, y.data(), ld, nn_band.data(), ld, beta, band);
+                K::head_gemm_tn(Dk, m, n, a.data(), lda, x.data(), ld, tn_full.data(), ld, beta);
+                K::head_gemm_tn(Dk, m, n, a.data(), lda, x.data(), ld, tn_band.data(), ld, beta, band);
+            } else {
+                K::head_gemm_nn<Dk>(m, n, a.data(), lda, y.data(), ld, nn_full.data(), ld, beta);
+                K::head_gemm_nn<Dk>(m, n, a.data(), lda, y.data(), ld, nn_band.data(), ld, beta, band);
+                K::head_gemm_tn<Dk>(m, n, a.data(), lda, x.data(), ld, tn_full.data(), ld, beta);
+                K::head_gemm_tn<Dk>(m, n, a.data(), lda, x.data(), ld, tn_band.data(), ld, beta, band);
+            }
+            CHECK(bitwise_equal(nn_full, nn_band));
+            CHECK(bitwise_equal(tn_full, tn_band));
+        }
+    }
+}
+
+template <class T, index_t Dk>
+void band_sweep(std::uint64_t& seed) {
+    // (queries, keys, offset): B's per-head shape (memory 256 of 384 keys), keys past several stack
+    // blocks with no memory, odd counts off every tile, fewer keys than queries see, and the
+    // general GEMM's side of the limits (the band is ignored there).
+    const index_t shapes[][3] = {{128, 384, 256}, {16, 300, 0}, {37, 70, 33}, {45, 40, 3}, {20, 17, 0},
+                                 {130, 200, 70}, {300, 800, 500}};
+    for (const auto& s : shapes) check_band<T, Dk>(s[0], s[1], s[2], seed++);
+}
+
+}  // namespace
+
+TEST_CASE("head products: a causal band skips only what it masks") {
+    std::uint64_t seed = 9000;
+    band_sweep<float, 32>(seed);
+    band_sweep<float, 64>(seed);
+    band_sweep<float, 8>(seed);
+    band_sweep<double, 32>(seed);
+}

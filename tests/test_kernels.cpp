@@ -269,6 +269,29 @@ TEST_CASE("softmax: backward matches the Jacobian product") {
     }
 }
 
+TEST_CASE("softmax: backward with a causal mask reads the visible prefix only, bitwise the unmasked result") {
+    std::uint64_t seed = 250;
+    for (index_t rows : {3, 17})
+        for (index_t cols : {5, 8, 23, 64, 71})
+            for (index_t offset : {0, 2, 9, 40}) {
+                auto x = random_vector<float>(rows * cols, seed++, -3, 3);
+                auto dy = random_vector<float>(rows * cols, seed++);
+                const auto mask = mnemo::softmax_mask::causal_from(offset);
+                std::vector<float> y(x.size()), full(x.size()), masked(x.size());
+                K::softmax_forward(rows, cols, x.data(), cols, y.data(), cols, 0.7f, mask);
+                K::softmax_backward(rows, cols, y.data(), cols, dy.data(), cols, full.data(), cols, 0.7f);
+                auto dy_hidden = dy;  // what a product that skipped the masked keys leaves there
+                for (index_t i = 0; i < rows; ++i)
+                    for (index_t j = std::min(cols, offset + i + 1); j < cols; ++j)
+                        dy_hidden[i * cols + j] = std::numeric_limits<float>::quiet_NaN();
+                K::softmax_backward(rows, cols, y.data(), cols, dy_hidden.data(), cols, masked.data(), cols, 0.7f, mask);
+                INFO("rows " << rows << " cols " << cols << " offset " << offset);
+                bool same = true;
+                for (std::size_t k = 0; k < full.size(); ++k) same = same && masked[k] == full[k];
+                CHECK(same);
+            }
+}
+
 TEST_CASE("layer_norm: forward and backward match a naive loop") {
     std::uint64_t seed = 300;
     for (index_t rows : {1, 4, 37}) {

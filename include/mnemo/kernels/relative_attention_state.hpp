@@ -76,7 +76,7 @@ struct relative_attention_state {
     T* dq = nullptr;           // [Q·B, D] dq's positional part, assigned
     T* dkv = nullptr;          // [K·B, 2D] [dk, dv], assigned over the projected rows
     T *dr_win = nullptr, *ds_win = nullptr;  // R's and S's window gradient rows, +=
-    T* col_sums = nullptr;                   // [H, W] scratch
+    T* col_sums = nullptr;  // [H, W] scratch: forward S's window by head, backward d_pos's column sums
     // Absorbed backward.
     T *gk = nullptr, *gv = nullptr, *gbv = nullptr;  // W_k, W_v, b_v gradients, +=
     T *d_mem_mix = nullptr, *d_q_absorbed = nullptr;  // dU, d q̃: [H·Q·B, D] each

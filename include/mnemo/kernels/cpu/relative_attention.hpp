@@ -29,6 +29,7 @@ template <class T, static_extents E>
 class relative_attention_pass {
     struct K : gemm, softmax, elementwise {};
     using heads = heads_for<E>;  // the per-head products at this head width
+    using causal_keys = head_products::causal_keys;
 
 public:
     explicit relative_attention_pass(const relative_attention_state<T>& state)
@@ -61,7 +62,10 @@ public:
             });
         T* attn = s.attn;
         const T scale = s.scale;
-        const T* s_win = s.s_win;
+        // S's window by head, s_h [H, W] (S is [W, H]): a score row reads it along the keys.
+        T* s_h = s.col_sums;
+        for (index_t c = 0; c < w; ++c)
+            for (index_t h = 0; h < H; ++h) s_h[h * w + c] = s.s_win[c * H + h];
         const T* kv = s.kv;
         const index_t ld = batch_ * D, ldkv = batch_ * 2 * D;  // row strides of one batch element's sequence
         const std::uint8_t* keep = s.keep;
@@ -74,14 +78,15 @@ public:
             const T* ph = pos + h * qb * w;
             for (index_t i = 0; i < q_len_; ++i) {
                 const T* pi = ph + (i * batch_ + b) * w + q_len_ - i;  // column Q + j − i at j = 0
-                const T* si = s_win + (q_len_ - i) * H + h;
+                const T* si = s_h + h * w + q_len_ - i;  // the same window column
                 T* ai = a + i * k_len_;
                 const index_t visible = mem + i + 1, j0 = clamped(i);
                 if (j0 > 0) {  // δ > clamp_len: the window column and S row of distance clamp_len
-                    const T pc = ph[(i * batch_ + b) * w + k_len_ - clamp_len_], sc = s_win[(k_len_ - clamp_len_) * H + h];
+                    const T pc = ph[(i * batch_ + b) * w + k_len_ - clamp_len_], sc = s_h[h * w + k_len_ - clamp_len_];
                     for (index_t j = 0; j < j0; ++j) ai[j] = scale * (ai[j] + pc + sc);
                 }
-                for (index_t j = j0; j < visible; ++j) ai[j] = scale * (ai[j] + pi[j] + si[j * H]);
+#pragma omp simd
+                for (index_t j = j0; j < visible; ++j) ai[j] = scale * (ai[j] + pi[j] + si[j]);
             }
             softmax_mask mask = softmax_mask::causal_from(mem);
             if (keep && s.keep_any[b]) {
@@ -90,12 +95,15 @@ public:
             }
             K::softmax_forward(q_len_, k_len_, a, k_len_, a, k_len_, T(1), mask);
         };
+        // Query i sees the keys up to M + i: the products skip the segment's future keys.
+        const causal_keys band{mem - c0};
         auto head = [&](index_t b, index_t h) {
             T* a = attn + (b * H + h) * q_len_ * k_len_;  // [Q, K]
             const index_t off = b * D + h * Dk, kv_off = c0 * ldkv + b * 2 * D + h * Dk;
-            heads::gemm_nt(index_t(Dk), q_len_, k_len_ - c0, s.qu + off, ld, kv + kv_off, ldkv, a + c0, k_len_);
+            heads::gemm_nt(index_t(Dk), q_len_, k_len_ - c0, s.qu + off, ld, kv + kv_off, ldkv, a + c0, k_len_, band);
             finish_scores(b, h, a);
-            heads::gemm_nn(index_t(Dk), q_len_, k_len_ - c0, a + c0, k_len_, kv + kv_off + D, ldkv, s.ctx + off, ld);
+            heads::gemm_nn(index_t(Dk), q_len_, k_len_ - c0, a + c0, k_len_, kv + kv_off + D, ldkv, s.ctx + off, ld, T(0),
+                           band);
         };
         if (one_query) {
             one_query_forward(s.q, s.qu, s.r_win, kv, pos, attn, s.ctx, finish_scores);
@@ -123,17 +131,21 @@ public:
         const T *kv = s.kv, *d_ctx = s.d_ctx, *qu = s.qu;
         T *dkv = s.dkv, *dqu = s.dqu;
         // Per (batch, head): d attention weights, dv, the softmax's backward, d(q+u) and dk over the
-        // projected keys, and the positional scores' gradient.
+        // projected keys, and the positional scores' gradient; the products skip the future keys (the
+        // softmax's backward reads d attention weights over the visible keys only, and d raw scores
+        // past them are zero).
+        const causal_keys band{mem - c0};
         auto head = [&](index_t b, index_t h) {
             const T* a = attn + (b * H + h) * q_len_ * k_len_;
             T* ds = d_scores + (b * H + h) * q_len_ * k_len_;
             const index_t off = b * D + h * Dk, k_off = c0 * ldkv + b * 2 * D + h * Dk, v_off = k_off + D;
             const index_t kc = k_len_ - c0;
-            heads::gemm_nt(index_t(Dk), q_len_, kc, d_ctx + off, ld, kv + v_off, ldkv, ds + c0, k_len_);  // dA
-            heads::gemm_tn(index_t(Dk), q_len_, kc, a + c0, k_len_, d_ctx + off, ld, dkv + v_off, ldkv);  // dv
-            K::softmax_backward(q_len_, k_len_, a, k_len_, ds, k_len_, ds, k_len_, scale);  // d raw score
-            heads::gemm_nn(index_t(Dk), q_len_, kc, ds + c0, k_len_, kv + k_off, ldkv, dqu + off, ld);  // d(q+u)
-            heads::gemm_tn(index_t(Dk), q_len_, kc, ds + c0, k_len_, qu + off, ld, dkv + k_off, ldkv);  // dk
+            heads::gemm_nt(index_t(Dk), q_len_, kc, d_ctx + off, ld, kv + v_off, ldkv, ds + c0, k_len_, band);  // dA
+            heads::gemm_tn(index_t(Dk), q_len_, kc, a + c0, k_len_, d_ctx + off, ld, dkv + v_off, ldkv, T(0), band);  // dv
+            K::softmax_backward(q_len_, k_len_, a, k_len_, ds, k_len_, ds, k_len_, scale,
+                                softmax_mask::causal_from(mem));  // d raw score
+            heads::gemm_nn(index_t(Dk), q_len_, kc, ds + c0, k_len_, kv + k_off, ldkv, dqu + off, ld, T(0), band);  // d(q+u)
+            heads::gemm_tn(index_t(Dk), q_len_, kc, ds + c0, k_len_, qu + off, ld, dkv + k_off, ldkv, T(0), band);  // dk
             // The positional scores' gradient lands on window column Q + j − i of row (i, b); the rest
             // of the row's band (the columns its block's products read) is zero.
             T* ph = d_pos + h * qb * w;

@@ -3,6 +3,7 @@
 //   y[i, j] = exp(s·x[i, j] − m_i) / Σ_{k visible} exp(s·x[i, k] − m_i)   for visible j, else 0
 // with m_i = max over visible s·x[i, k]. A row with nothing visible is all zeros (never NaN).
 // Backward (y saved from forward): dx[i, j] = s · y[i, j] · (dy[i, j] − Σ_k y[i, k]·dy[i, k]).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -88,26 +89,43 @@ struct softmax {
         }
     }
 
-    /// dx = softmax backward given the forward output y and upstream dy. dx may alias dy.
+    /// dx = softmax backward given the forward output y and upstream dy. dx may alias dy. With a causal
+    /// mask (its keep part is not needed: y is zero there), dy is read over each row's visible prefix
+    /// only and dx is zero past it; the sums are those over the whole row (the zeros of y add
+    /// nothing to a lane), so the bits do not depend on the mask.
     template <class T>
     static void softmax_backward(index_t rows, index_t cols, const T* y, index_t ldy, const T* dy, index_t lddy, T* dx,
-                                 index_t lddx, T scale) {
+                                 index_t lddx, T scale, softmax_mask mask = {}) {
         using B = simd::batch<T>;
+        constexpr index_t W = simd::width<T>;
         const index_t nv = simd::full_batches<T>(cols);
         parallel_range(rows, rows * cols >= 16384, [&](index_t i_begin, index_t i_end) {
         for (index_t i = i_begin; i < i_end; ++i) {
             const T* yi = y + i * ldy;
             const T* dyi = dy + i * lddy;
             T* dxi = dx + i * lddx;
+            const index_t n = mask.causal ? std::clamp<index_t>(mask.causal_offset + i + 1, 0, cols) : cols;
+            const index_t nvn = simd::full_batches<T>(n);  // whole vectors inside the visible prefix
             B acc = simd::splat<T>(0);
             index_t j = 0;
-            for (; j < nv; j += simd::width<T>) acc = xsimd::fma(simd::load(yi + j), simd::load(dyi + j), acc);
+            for (; j < nvn; j += W) acc = xsimd::fma(simd::load(yi + j), simd::load(dyi + j), acc);
+            if (j < n && j < nv) {  // the vector the prefix ends in, zero past n (where y is zero)
+                alignas(64) T ty[W] = {}, tdy[W] = {};
+                for (index_t t = 0; j + t < n; ++t) {
+                    ty[t] = yi[j + t];
+                    tdy[t] = dyi[j + t];
+                }
+                acc = xsimd::fma(B::load_aligned(ty), B::load_aligned(tdy), acc);
+                j += W;
+            }
             T dot = simd::reduce_add(acc);
-            for (; j < cols; ++j) dot += yi[j] * dyi[j];
+            // One explicit FMA a term: left to the compiler, the loop's bits would depend on its trip
+            // count (g++ vectorizes long in-order reductions as products, then adds, unfused).
+            for (j = std::max(j, nv); j < n; ++j) dot = std::fma(yi[j], dyi[j], dot);
             const B vdot = simd::splat(dot), vs = simd::splat(scale);
-            for (j = 0; j < nv; j += simd::width<T>)
-                simd::store(dxi + j, vs * simd::load(yi + j) * (simd::load(dyi + j) - vdot));
-            for (; j < cols; ++j) dxi[j] = scale * yi[j] * (dyi[j] - dot);
+            for (j = 0; j < nvn; j += W) simd::store(dxi + j, vs * simd::load(yi + j) * (simd::load(dyi + j) - vdot));
+            for (; j < n; ++j) dxi[j] = scale * yi[j] * (dyi[j] - dot);
+            for (; j < cols; ++j) dxi[j] = T(0);
         }
         });
     }

@@ -224,6 +224,7 @@ public:
         // The attention core (kernels: positional window GEMMs, scores, masks, softmax, context).
         relative_attention_state<T> st = core_state(q.data(), qu.data(), kv, absorb);
         st.pos = pos_.ensure(H * qb * w);
+        st.col_sums = col_sums_.ensure(H * w);
         st.attn = attn_.ensure(batch_ * H * q_len_ * k_len_);
         st.ctx = ctx.data();
         if (absorb) {
