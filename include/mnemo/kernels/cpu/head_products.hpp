@@ -41,6 +41,21 @@
 
 namespace mnemo::cpu_kernels {
 
+/// Which keys each query row of an attention product can see: row i sees keys j < offset + i + 1
+/// (keys [memory, segment], offset = the memory's length less the product's first key). The
+/// register tiles skip what no row of a tile sees: nt leaves those scores unwritten (a softmax
+/// over the visible prefix never reads them); nn and tn skip the zero weights there (the masked
+/// attention weights and their gradients are exact zeros), adding nothing an FMA chain would
+/// change. The general GEMM computes everything. none: every key.
+struct causal_keys {
+    static constexpr index_t none_offset = index_t(1) << 50;
+    index_t offset = none_offset;
+    /// The keys any of the query rows before i_end sees: [0, end(i_end)).
+    constexpr index_t end(index_t i_end) const { return offset + i_end; }
+    /// The first query row that sees key j.
+    constexpr index_t first_query(index_t j) const { return std::max<index_t>(0, j - offset); }
+};
+
 struct head_products {
     /// The few-key nt kernel copies Y's rows (at most 16) to a stack block of this many; nn and tn
     /// take the tiles up to this many keys (or rows and keys) whatever the work.
@@ -54,20 +69,7 @@ struct head_products {
         return dk > 0 && dk % simd::width<T> == 0 && dk / simd::width<T> <= 8;
     }
 
-    /// Which keys each query row of an attention product can see: row i sees keys j < offset + i + 1
-    /// (keys [memory, segment], offset = the memory's length less the product's first key). The
-    /// register tiles skip what no row of a tile sees: nt leaves those scores unwritten (a softmax
-    /// over the visible prefix never reads them); nn and tn skip the zero weights there (the masked
-    /// attention weights and their gradients are exact zeros), adding nothing an FMA chain would
-    /// change. The general GEMM computes everything. none: every key.
-    struct causal_keys {
-        static constexpr index_t none_offset = index_t(1) << 50;
-        index_t offset = none_offset;
-        /// The keys any of the query rows before i_end sees: [0, end(i_end)).
-        constexpr index_t end(index_t i_end) const { return offset + i_end; }
-        /// The first query row that sees key j.
-        constexpr index_t first_query(index_t j) const { return std::max<index_t>(0, j - offset); }
-    };
+    using causal_keys = cpu_kernels::causal_keys;
 
     /// The routes (the same for a compile-time and a runtime d_k), measured on one thread against the
     /// general GEMM (Zen 2, AVX2, operands 2048 floats apart; docs/performance.md): under
