@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -76,6 +77,27 @@ std::vector<double> naive(mnemo::parameter_set<double>& ps, const std::string& n
     return lin(ctx, Q * B, wo, bo);
 }
 
+// Forward of attn over (z_q, z_kv) for the loss ⟨out, r⟩, then backward (the parameters' gradients
+// into ps, the inputs' into dzq and dzkv); returns the loss as a function of the inputs, for
+// check_gradients (each call runs forward again).
+template <class Attn>
+std::function<double()> loss_and_gradients(Attn& attn, mnemo::parameter_set<double>& ps, const std::vector<double>& zq,
+                                           const std::vector<double>& zkv, const std::vector<double>& r, index_t B,
+                                           std::vector<double>& out, std::vector<double>& dzq,
+                                           std::vector<double>& dzkv) {
+    const index_t qb = index_t(zq.size()) / D, kb = index_t(zkv.size()) / D;
+    auto loss = [&attn, &zq, &zkv, &r, &out, B, qb, kb] {
+        attn.forward(view<const double, D>(zq.data(), qb), view<const double, D>(zkv.data(), kb), B,
+                     view<double, D>(out.data(), qb));
+        return project(out, r);
+    };
+    loss();
+    ps.zero_grad();
+    attn.backward(view<const double, D>(zq.data(), qb), view<const double, D>(zkv.data(), kb),
+                  view<const double, D>(r.data(), qb), view<double, D>(dzq.data(), qb), view<double, D>(dzkv.data(), kb));
+    return loss;
+}
+
 }  // namespace
 
 constexpr mnemo::memory_attention modes[] = {mnemo::memory_attention::projected, mnemo::memory_attention::absorbed};
@@ -133,16 +155,7 @@ TEST_CASE("relative_attention: backward matches finite differences") {
     auto zkv = random_vector<double>(Kn * B * D, 33);
     auto r = random_vector<double>(Q * B * D, 34);
     std::vector<double> out(Q * B * D), dzq(Q * B * D), dzkv(Kn * B * D);
-    auto loss = [&] {
-        attn.forward(view<const double, D>(zq.data(), Q * B), view<const double, D>(zkv.data(), Kn * B), B,
-                     view<double, D>(out.data(), Q * B));
-        return project(out, r);
-    };
-    loss();
-    ps.zero_grad();
-    attn.backward(view<const double, D>(zq.data(), Q * B), view<const double, D>(zkv.data(), Kn * B),
-                  view<const double, D>(r.data(), Q * B), view<double, D>(dzq.data(), Q * B),
-                  view<double, D>(dzkv.data(), Kn * B));
+    auto loss = loss_and_gradients(attn, ps, zq, zkv, r, B, out, dzq, dzkv);
     auto targets = parameter_targets(ps);
     targets.push_back({"z_q", zq.data(), dzq});
     targets.push_back({"z_kv", zkv.data(), dzkv});
@@ -178,17 +191,8 @@ TEST_CASE("relative_attention: positional terms over several blocks of query pos
         std::vector<double> zq(zkv.end() - Q * B * D, zkv.end());
         auto r = random_vector<double>(Q * B * D, 53);
         std::vector<double> out(Q * B * D), dzq(Q * B * D), dzkv(Kn * B * D);
-        auto loss = [&] {
-            attn.forward(view<const double, D>(zq.data(), Q * B), view<const double, D>(zkv.data(), Kn * B), B,
-                         view<double, D>(out.data(), Q * B));
-            return project(out, r);
-        };
-        loss();
+        auto loss = loss_and_gradients(attn, ps, zq, zkv, r, B, out, dzq, dzkv);
         check_close("relative_attention out", out, naive(ps, "self_attn", zq, zkv, Q, Kn, B, P, clamp), 1e-13, 1e-12);
-        ps.zero_grad();
-        attn.backward(view<const double, D>(zq.data(), Q * B), view<const double, D>(zkv.data(), Kn * B),
-                      view<const double, D>(r.data(), Q * B), view<double, D>(dzq.data(), Q * B),
-                      view<double, D>(dzkv.data(), Kn * B));
         auto targets = parameter_targets(ps);
         targets.push_back({"z_q", zq.data(), dzq});
         check_gradients(loss, targets, 1e-6, 1e-6, 160);  // the 160 largest gradients of each tensor and a sample
