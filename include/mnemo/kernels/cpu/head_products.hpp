@@ -165,42 +165,6 @@ struct head_products {
         head_nt_impl<0>(dk, m, n, x, ldx, y_in, ldy_in, s, lds);
     }
 
-    /// S[i, j] = Σ_d X[i, d]·Y[j, d] over many keys: scores as vectors along j (register tiles of rows ×
-    /// two vectors, Yᵀ copied a block at a time), one FMA chain over d per score.
-    template <index_t Dk, class T>
-    static void head_nt_wide(index_t m, index_t n, const T* x, index_t ldx, const T* y, index_t ldy, T* s, index_t lds) {
-        head_nt_wide_impl<Dk>(Dk, m, n, x, ldx, y, ldy, s, lds);
-    }
-    template <class T>
-    static void head_nt_wide(index_t dk, index_t m, index_t n, const T* x, index_t ldx, const T* y, index_t ldy, T* s,
-                             index_t lds) {
-        head_nt_wide_impl<0>(dk, m, n, x, ldx, y, ldy, s, lds);
-    }
-
-    /// O[i, :] (= or +=) Σ_j A[i, j]·Y[j, :]
-    template <index_t Dk, class T>
-    static void head_nn(index_t m, index_t n, const T* a, index_t lda, const T* y_in, index_t ldy_in, T* o, index_t ldo,
-                        bool accumulate = false) {
-        head_nn_impl<Dk>(Dk, m, n, a, lda, y_in, ldy_in, o, ldo, accumulate);
-    }
-    template <class T>
-    static void head_nn(index_t dk, index_t m, index_t n, const T* a, index_t lda, const T* y_in, index_t ldy_in, T* o,
-                        index_t ldo, bool accumulate = false) {
-        head_nn_impl<0>(dk, m, n, a, lda, y_in, ldy_in, o, ldo, accumulate);
-    }
-
-    /// O[j, :] (= or +=) Σ_i A[i, j]·X[i, :]
-    template <index_t Dk, class T>
-    static void head_tn(index_t m, index_t n, const T* a, index_t lda, const T* x_in, index_t ldx_in, T* o, index_t ldo,
-                        bool accumulate = false) {
-        head_tn_impl<Dk>(Dk, m, n, a, lda, x_in, ldx_in, o, ldo, accumulate);
-    }
-    template <class T>
-    static void head_tn(index_t dk, index_t m, index_t n, const T* a, index_t lda, const T* x_in, index_t ldx_in, T* o,
-                        index_t ldo, bool accumulate = false) {
-        head_tn_impl<0>(dk, m, n, a, lda, x_in, ldx_in, o, ldo, accumulate);
-    }
-
 private:
     // The kernels, for a compile-time d_k (Dk > 0; dk == Dk) or a runtime one (Dk == 0, d_k = dk): one
     // source, so the two compute the same sums in the same order. V: the vectors of a row (a constant
@@ -242,18 +206,6 @@ private:
                 si[j] = simd::reduce_add(a);
             }
         }
-    }
-
-    template <index_t Dk, class T>
-    static void head_nn_impl(index_t dk, index_t m, index_t n, const T* a, index_t lda, const T* y_in, index_t ldy_in,
-                             T* o, index_t ldo, bool accumulate) {
-        rows_product<Dk>(dk, m, n, a, lda, 1, y_in, ldy_in, o, ldo, accumulate);
-    }
-
-    template <index_t Dk, class T>
-    static void head_tn_impl(index_t dk, index_t m, index_t n, const T* a, index_t lda, const T* x_in, index_t ldx_in,
-                             T* o, index_t ldo, bool accumulate) {
-        rows_product<Dk>(dk, n, m, a, 1, lda, x_in, ldx_in, o, ldo, accumulate);
     }
 
     // nn and tn are one product over register tiles: O[r, :] (= or +=) Σ_p c(r, p)·Y[p, :] for rows
