@@ -197,6 +197,14 @@ private:
     /// of scores (one generated token over a short memory stays on the calling thread, where an
     /// OpenMP fork and join would cost more than the loop).
     bool worth_threads() const { return batch_ * H * q_len_ * k_len_ * Dk >= (index_t(1) << 16); }
+    /// One query position (one_query_forward) reads the window's table rows, the keys and the values
+    /// once each, from DRAM in configurations B and C, where two cores read about 1.5× as fast as one:
+    /// worth threads from 64K multiply-adds over all three. (Counting the scores alone put B's token,
+    /// K = 254 to 257 as the memory fills and compresses, on one thread in half of its steps; A's
+    /// token, 53K multiply-adds from L3, stays on one.)
+    bool one_query_worth_threads() const {
+        return batch_ * H * (window() + 2 * k_len_) * Dk >= (index_t(1) << 16);
+    }
     /// f(h) for every head, the heads spread over threads when the per-head products hold at least
     /// 64K multiply-adds in all (each head's GEMMs then run on one thread; results do not depend on
     /// the thread count either way).
@@ -243,7 +251,7 @@ private:
         const index_t w = window(), ldkv = batch_ * 2 * D;
         constexpr index_t block = 64;
         const index_t blocks = (w + block - 1) / block;  // w = K + 1 covers the keys' rows too
-        parallel_range(batch_ * blocks, worth_threads(), [&](index_t i0, index_t i1) {
+        parallel_range(batch_ * blocks, one_query_worth_threads(), [&](index_t i0, index_t i1) {
             for (index_t i = i0; i < i1; ++i) {
                 const index_t b = i / blocks, r0 = i % blocks * block;
                 // pos[h] [B, W]: row b of head h at h·B·W + b·W; attn [B, H, K]
@@ -252,7 +260,7 @@ private:
                                attn + b * H * k_len_, k_len_);
             }
         });
-        parallel_range(batch_ * H, worth_threads(), [&](index_t i0, index_t i1) {
+        parallel_range(batch_ * H, one_query_worth_threads(), [&](index_t i0, index_t i1) {
             for (index_t i = i0; i < i1;) {  // the heads [h0, h1) of batch element b
                 const index_t b = i / H, h0 = i % H, h1 = std::min<index_t>(H, h0 + (i1 - i));
                 T* a = attn + b * H * k_len_;
