@@ -339,6 +339,31 @@ TEST_CASE("layer_norm: forward and backward match a naive loop") {
     }
 }
 
+// x̂ by batch element (the absorbed attention's layout): row p·B + b of x lands at b·ld_batch + p·ld,
+// bitwise the row the plain layout gives; split over threads (65K elements) and not.
+TEST_CASE("layer_norm: x̂ laid out by batch element holds the same rows, moved") {
+    for (index_t positions : {3, 130}) {
+        const index_t B = 4, d = 128, rows = positions * B, ld = d + 3, ld_batch = (positions + 1) * ld;
+        INFO("positions " << positions);
+        auto x = random_vector<float>(rows * d, 900 + std::uint64_t(positions), -2, 3);
+        std::vector<float> plain(rows * d), by_batch(B * ld_batch, -99.0f);
+        K::layer_norm_forward<float>(rows, d, x.data(), d, nullptr, nullptr, 1e-5f, nullptr, 0, nullptr, nullptr,
+                                     plain.data(), d);
+        K::layer_norm_forward<float>(rows, d, x.data(), d, nullptr, nullptr, 1e-5f, nullptr, 0, nullptr, nullptr,
+                                     by_batch.data(), ld, B, ld_batch);
+        bool same = true, untouched = true;
+        for (index_t b = 0; b < B; ++b)
+            for (index_t p = 0; p <= positions; ++p)
+                for (index_t j = 0; j < ld; ++j) {
+                    const float got = by_batch[b * ld_batch + p * ld + j];
+                    if (p < positions && j < d) same = same && got == plain[(p * B + b) * d + j];
+                    else untouched = untouched && got == -99.0f;  // row padding and the spare position
+                }
+        CHECK(same);
+        CHECK(untouched);
+    }
+}
+
 TEST_CASE("layer_norm: float forward matches double reference") {
     const index_t rows = 9, d = 77;
     auto x = random_vector<float>(rows * d, 7, -4, 4);

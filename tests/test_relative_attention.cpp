@@ -210,11 +210,12 @@ TEST_CASE("relative_attention: absorbed memory equals projected memory, forward 
         std::vector<double> out, dzq, dzkv, grads, dgamma, dbeta;
     };
     // Variants 4 and 5 are 0 and 1 with the norm's rows also given to forward (the absorbed route
-    // then works from ẑ and forms no d z for the memory rows).
-    for (int v = 0; v < 6; ++v) {
+    // then works from ẑ and forms no d z for the memory rows); 6 and 7 the same with the absorbed
+    // route's ẑ laid out by batch element (frozen_key_rows::ld_batch).
+    for (int v = 0; v < 8; ++v) {
         INFO("variant " << v);
-        const int variant = v < 4 ? v : v - 4;
-        const bool forward_norm = v >= 4;
+        const int variant = v < 4 ? v : v % 2;
+        const bool forward_norm = v >= 4, by_batch = v >= 6;
         auto go = [&](mnemo::memory_attention mode) {
             mnemo::parameter_set<double> ps;
             mnemo::relative_attention<double, cfg> attn(ps, "self_attn", P);
@@ -243,6 +244,14 @@ TEST_CASE("relative_attention: absorbed memory equals projected memory, forward 
             mnemo::frozen_key_rows<double> frozen;
             if (variant == 0 || variant == 1)
                 frozen = {mem * B, zhat.data(), D, gamma.data(), beta.data(), out.dgamma.data(), out.dbeta.data()};
+            std::vector<double> zhat_by_batch(zhat.size());  // [B, mem, D]
+            if (by_batch && mode == mnemo::memory_attention::absorbed) {
+                for (index_t j = 0; j < mem; ++j)
+                    for (index_t b = 0; b < B; ++b)
+                        for (index_t i = 0; i < D; ++i) zhat_by_batch[(b * mem + j) * D + i] = zhat[(j * B + b) * D + i];
+                frozen.zhat = zhat_by_batch.data();
+                frozen.ld_batch = mem * D;
+            }
             if (variant == 2) frozen = {2 * B};  // raw rows, the first two positions only
             // Absorbed with the norm's rows: the memory rows of z_kv are NaN and marked unwritten (never read).
             mnemo::frozen_key_rows<double> norm_rows = forward_norm ? frozen : mnemo::frozen_key_rows<double>{};
@@ -286,6 +295,35 @@ TEST_CASE("relative_attention: more keys than relative positions is a clear erro
     CHECK_THROWS_WITH_AS(attention(fresh, "x", 0), doctest::Contains("n_pos"), mnemo::error);
 }
 
+TEST_CASE("relative_attention: ẑ laid out by batch element needs the absorbed route") {
+    const index_t Q = 2, mem = 3, B = 2;
+    mnemo::parameter_set<float> ps;
+    mnemo::relative_attention<float, cfg> attn(ps, "self_attn", 8);
+    ps.allocate();
+    std::vector<float> zkv((mem + Q) * B * D, 0.5f), zhat(mem * B * D, 0.25f), gamma(D, 1.0f), beta(D, 0.0f),
+        out(Q * B * D), dzq(Q * B * D), dzkv((mem + Q) * B * D), dout(Q * B * D, 1.0f), dg(D), db(D);
+    mnemo::frozen_key_rows<float> norm{mem * B, zhat.data(), D, gamma.data(), beta.data(), dg.data(), db.data()};
+    norm.ld_batch = mem * D;
+    auto forward = [&](const mnemo::frozen_key_rows<float>& rows) {
+        attn.forward(view<const float, D>(zkv.data() + mem * B * D, Q * B), view<const float, D>(zkv.data(), (mem + Q) * B),
+                     B, view<float, D>(out.data(), Q * B), {}, rows);
+    };
+    auto backward = [&](const mnemo::frozen_key_rows<float>& rows) {
+        attn.backward(view<const float, D>(zkv.data() + mem * B * D, Q * B), view<const float, D>(zkv.data(), (mem + Q) * B),
+                      view<const float, D>(dout.data(), Q * B), view<float, D>(dzq.data(), Q * B),
+                      view<float, D>(dzkv.data(), (mem + Q) * B), false, rows);
+    };
+    attn.set_memory_attention(mnemo::memory_attention::projected);
+    CHECK_THROWS_WITH_AS(forward(norm), doctest::Contains("by batch element"), mnemo::error);
+    forward({});
+    CHECK_THROWS_WITH_AS(backward(norm), doctest::Contains("by batch element"), mnemo::error);
+    attn.set_memory_attention(mnemo::memory_attention::absorbed);
+    forward({});  // absorbed, but backward's rows are not forward's
+    CHECK_THROWS_WITH_AS(backward(norm), doctest::Contains("by batch element"), mnemo::error);
+    forward(norm);
+    CHECK_NOTHROW(backward(norm));
+}
+
 TEST_CASE("relative_attention: memory rows left unwritten need the absorbed route") {
     const index_t Q = 2, mem = 3, B = 1;
     mnemo::parameter_set<float> ps;
@@ -311,7 +349,7 @@ TEST_CASE("relative_attention: memory rows left unwritten need the absorbed rout
 // route's result (a forward of two query positions whose last row is the same token) to float
 // precision.
 TEST_CASE("relative_attention: one query position gives the same bits on 1, 2 and 3 threads") {
-    using big = mnemo::config<128, 4>;  // d_k 32; 4 heads × 601 keys × 32: past worth_threads()
+    using big = mnemo::config<128, 4>;  // d_k 32; 4 heads × 601 keys × 32: past one_query_worth_threads()
     constexpr index_t Db = 128;
     const index_t mem = 600, P = 1024;
     for (index_t B : {1, 3}) {

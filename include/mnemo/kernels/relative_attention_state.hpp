@@ -30,6 +30,11 @@ struct frozen_key_rows {
     /// Given to forward: the memory rows of z_kv were not written, only ẑ (the caller asked
     /// would_absorb first); forward fails rather than read them.
     bool z_unwritten = false;
+    /// ẑ's layout. 0: row r = j·B + b (position j, batch element b) at zhat + r·ld_zhat, as z_kv's.
+    /// > 0: by batch element, row (j, b) at zhat + b·ld_batch + j·ld_zhat; only the absorbed route
+    /// reads that layout (it reads one batch element's memory rows at a time: from rows B·ld_zhat
+    /// apart, its products ran at about 2/3 of their speed over contiguous ones).
+    index_t ld_batch = 0;
 };
 
 /// One call of the attention core: everything between the projections (scores, positional terms,

@@ -150,15 +150,19 @@ public:
         // Without gradients (generation), the rows whose keys and values the attention reuses are
         // not read at all: only the others are normalised.
         // When the attention takes the absorbed route, which reads the memory through ẑ alone, the
-        // memory rows of z are not written at all (normalised_memory_rows fills them on demand).
+        // memory rows of z are not written at all (normalised_memory_rows fills them on demand), and
+        // ẑ is laid out by batch element (frozen_key_rows::ld_batch), the way that route reads it.
         view<T, DM, Backend> x_in(kv_in_.ensure(qb * D), qb, D), z(z_.ensure(kb * D), kb, D),
             zhat(zhat_.ensure(lb * D), lb, D);
         z_mem_unwritten_ = grad_enabled_ && !reuse.n && self_attn_.would_absorb(qb / batch, kb / batch);
         auto normalise_part = [&](view<const T, DM, Backend> src, index_t first, index_t b0, index_t b1) {
             if (b0 >= b1) return;  // rows [b0, b1) of z, from src, which holds z's rows from `first` on
             const auto in = src.row_range(b0 - first, b1 - b0);
-            if (z_mem_unwritten_) norm_self_attn_.normalized(in, zhat.row_range(b0, b1 - b0));
-            else if (grad_enabled_) norm_self_attn_.forward_normalized(in, z.row_range(b0, b1 - b0), zhat.row_range(b0, b1 - b0));
+            if (z_mem_unwritten_) {
+                if constexpr (kernels::absorbs_memory)  // rows [b0, b1) are whole positions (c_mem, mem)
+                    norm_self_attn_.normalized_by_batch(in, zhat_.data() + b0 / batch * D, index_t(D), batch,
+                                                        zhat_ld_batch());
+            } else if (grad_enabled_) norm_self_attn_.forward_normalized(in, z.row_range(b0, b1 - b0), zhat.row_range(b0, b1 - b0));
             else norm_self_attn_.forward(in, z.row_range(b0, b1 - b0), norm_stats<T>{});
         };
         auto normalise = [&](index_t r0, index_t r1) {  // memory rows [r0, r1) of [c_mem, mem]
@@ -179,7 +183,7 @@ public:
         frozen_key_rows<T> norm_rows;
         if (grad_enabled_)
             norm_rows = {lb, zhat_.data(), D, norm_self_attn_.weight().value(), norm_self_attn_.bias().value(),
-                         nullptr, nullptr, z_mem_unwritten_};
+                         nullptr, nullptr, z_mem_unwritten_, zhat_ld_batch()};
         self_attn_.forward(z.row_range(lb, qb), z, batch, a, reuse, norm_rows);
         join(gate_attn_, x, a, x_mid);
         norm_ff_.forward(x_mid, z2);
@@ -219,7 +223,7 @@ public:
         // gradients, which the attention takes from their normalised values ẑ (saved by forward).
         const frozen_key_rows<T> frozen{lb, zhat_.data(), D, norm_self_attn_.weight().value(),
                                         norm_self_attn_.bias().value(), norm_self_attn_.weight().grad(),
-                                        norm_self_attn_.bias().grad()};
+                                        norm_self_attn_.bias().grad(), false, zhat_ld_batch()};
         self_attn_.backward(z.row_range(lb, qb), z, da, dz.row_range(lb, qb), dz, /*accumulate_dq=*/true, frozen);
         if (!gate_attn_) residual<T, DM, Backend>::backward(view<const T, DM, Backend>(d_mid), dx, view<T, DM, Backend>());
         norm_self_attn_.backward(x_in, dz.row_range(lb, qb), dx, norm_stats<T>{mean_.data(), rstd_.data()},
@@ -235,12 +239,20 @@ public:
         if (options_.norm != norm_kind::pre || !all_normalised_ || rows > mem_rows_ - c_rows_ + batch_q_rows_)
             return nullptr;
         T* z = z_.data() + c_rows_ * D;
-        if (z_mem_unwritten_) {
-            kernels::scale_shift_rows(std::min(rows, mem_rows_ - c_rows_), index_t(D), zhat_.data() + c_rows_ * D, index_t(D),
-                                norm_self_attn_.weight().value(), norm_self_attn_.bias().value(), z, index_t(D));
+        if (z_mem_unwritten_) {  // ẑ by batch element: batch element b's rows of positions [c_mem, c_mem + n)
+            const index_t n = std::min(rows, mem_rows_ - c_rows_), c0 = c_rows_ / batch_;
+            MNEMO_CHECK(n % batch_ == 0, "compressive_layer: ", n, " memory rows are not whole positions of ", batch_,
+                        " batch elements");
+            for (index_t b = 0; b < batch_; ++b)
+                kernels::scale_shift_rows(n / batch_, index_t(D), zhat_.data() + b * zhat_ld_batch() + c0 * D, index_t(D),
+                                          norm_self_attn_.weight().value(), norm_self_attn_.bias().value(), z + b * D,
+                                          batch_ * index_t(D));
         }
         return z;
     }
+    /// ẑ's batch stride (frozen_key_rows::ld_batch): by batch element, [B, positions, D], when the
+    /// last forward left the memory rows of z unwritten (the absorbed route); 0, by position, otherwise.
+    index_t zhat_ld_batch() const { return z_mem_unwritten_ ? mem_rows_ / batch_ * index_t(D) : 0; }
     /// Whether this layer keeps memory (and has a compression function).
     bool has_memory() const { return compress_.has_value(); }
     /// Key padding flags [K·B] for the next forward (relative_attention::set_key_padding); null: none.

@@ -81,6 +81,18 @@ public:
                               eps_, static_cast<T*>(nullptr), index_t(0), static_cast<T*>(nullptr),
                               static_cast<T*>(nullptr), xhat.data(), xhat.ld());
     }
+    /// normalized with x's rows (position, batch element) pairs, row p·batch + b, and x̂ laid out by
+    /// batch element: that row's x̂ at xhat + b·ld_batch + p·ld (ld: xhat's row stride). Backends
+    /// whose attention absorbs the memory (kernels::absorbs_memory) only.
+    template <view_of<T> X>
+    void normalized_by_batch(const X& x, T* xhat, index_t ld, index_t batch, index_t ld_batch) const {
+        static_assert(check_view<D, X, axis::d_model, Backend>());
+        MNEMO_CHECK(batch > 0 && x.rows() % batch == 0, "layer_norm: ", x.rows(), " rows are not whole positions of ",
+                    batch, " batch elements");
+        kernels::layer_norm_forward(x.rows(), d_, x.data(), x.ld(), weight_.value(), bias_.value(), eps_,
+                                    static_cast<T*>(nullptr), index_t(0), static_cast<T*>(nullptr),
+                                    static_cast<T*>(nullptr), xhat, ld, batch, ld_batch);
+    }
     /// y = LN(x), statistics saved in the module's own buffers.
     template <view_of<T> X, view_of<T> Y>
     void forward(const X& x, const Y& y) {

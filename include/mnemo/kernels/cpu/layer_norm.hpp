@@ -32,10 +32,13 @@ struct layer_norm {
     /// y[rows, d] = LN(x); mean[rows] and rstd[rows] are saved for backward (either may be null). w or
     /// b may be null (no affine scale / shift). With xhat, the normalised rows x̂ = (x − μ)·r are
     /// written there too (bitwise what layer_norm_normalize would give), in the same pass; with y null,
-    /// only there.
+    /// only there. With xhat_batch > 0, x's rows are (position, batch element) pairs, row
+    /// p·xhat_batch + b, and x̂'s row for it goes to xhat + b·xhat_ld_batch + p·ldxh: by batch element
+    /// (the absorbed attention reads one batch element's memory rows at a time).
     template <class T>
     static void layer_norm_forward(index_t rows, index_t d, const T* x, index_t ldx, const T* w, const T* b, T eps,
-                                   T* y, index_t ldy, T* mean, T* rstd, T* xhat = nullptr, index_t ldxh = 0) {
+                                   T* y, index_t ldy, T* mean, T* rstd, T* xhat = nullptr, index_t ldxh = 0,
+                                   index_t xhat_batch = 0, index_t xhat_ld_batch = 0) {
         using B = simd::batch<T>;
         const index_t nv = simd::full_batches<T>(d);
         parallel_range(rows, rows * d >= 65536, [&](index_t i_begin, index_t i_end) {
@@ -60,7 +63,9 @@ struct layer_norm {
             if (mean) mean[i] = mu;
             if (rstd) rstd[i] = r;
             const B vr = simd::splat(r);
-            T* hi = xhat ? xhat + i * ldxh : nullptr;
+            T* hi = !xhat            ? nullptr
+                    : xhat_batch > 0 ? xhat + (i % xhat_batch) * xhat_ld_batch + (i / xhat_batch) * ldxh
+                                     : xhat + i * ldxh;
             if (!yi) {  // x̂ only (or only the statistics, when xhat is null too)
                 if (!hi) continue;
                 for (j = 0; j < nv; j += simd::width<T>) simd::store(hi + j, (simd::load(xi + j) - vmu) * vr);

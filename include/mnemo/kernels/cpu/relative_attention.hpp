@@ -295,7 +295,7 @@ private:
         T *qt = s.q_absorbed, *ut = s.mem_mix, *rs = s.row_mass;
         const bool hat = hat_.zhat != nullptr;
         T* uh = hat ? s.mem_mix_hat : nullptr;
-        const index_t ldhb = batch_ * hat_.ld_zhat;
+        const index_t ldhb = zhat_stride(hat_);
         T* blocks = hat ? s.thread_blocks : nullptr;
         for_each_head(qb * D * Dk, [&](index_t h) {
             K::gemm_nn(qb, D, Dk, qu + h * Dk, D, wk + h * Dk * D, D, qt + h * qb * D, D);
@@ -309,13 +309,13 @@ private:
                 } else {  // q̃·z_j = (q̃∘γ)·ẑ_j + q̃·β
                     T* qbeta = qg + hq * D;
                     for (index_t r = 0; r < hq; ++r) qbeta[r] = scale_row(qt + b * D + r * ldb, hat_.gamma, hat_.beta, qg + r * D);
-                    K::gemm_nt_direct(hq, mem, D, qg, D, hat_.zhat + b * hat_.ld_zhat, ldhb, ab, k_len_);
+                    K::gemm_nt_direct(hq, mem, D, qg, D, zhat_rows(hat_, b), ldhb, ab, k_len_);
                     for (index_t r = 0; r < hq; ++r)
                         for (index_t j = 0; j < mem; ++j) ab[r * k_len_ + j] += qbeta[r];
                 }
                 for (index_t h = 0; h < H; ++h) head(b, h);
                 if (!hat) K::gemm_nn_direct(hq, D, mem, ab, k_len_, z + b * ldz, ldzb, ut + b * D, ldb);  // U = A_mem·z
-                else K::gemm_nn_direct(hq, D, mem, ab, k_len_, hat_.zhat + b * hat_.ld_zhat, ldhb, uh + b * D, ldb);  // Û
+                else K::gemm_nn_direct(hq, D, mem, ab, k_len_, zhat_rows(hat_, b), ldhb, uh + b * D, ldb);  // Û
                 for (index_t r = 0; r < hq; ++r) {
                     const T* ar = ab + r * k_len_;
                     T sum = T(0);
@@ -361,7 +361,7 @@ private:
         T* dz_blocks = s.dz_blocks;
         T* blocks = hat ? s.thread_blocks : nullptr;
         const T* uh = s.mem_mix_hat;
-        const index_t ldhb = batch_ * frozen.ld_zhat;
+        const index_t ldhb = zhat_stride(frozen);
         T* norm_partial = s.norm_partial;  // [B, 2D]: Σ dz∘ẑ, Σ dz
         for_each_head(2 * qb * D * Dk, [&](index_t h) {
             K::gemm_nn(qb, D, Dk, d_ctx + h * Dk, D, wv + h * Dk * D, D, dut + h * qb * D, D);       // dU_h
@@ -393,7 +393,7 @@ private:
                 } else {  // dU·z_j = (dU∘γ)·ẑ_j + dU·β, the second term with the bias's below
                     for (index_t r = 0; r < hq; ++r)
                         dc[b * hq + r] += scale_row(dut + b * D + r * ldb, frozen.gamma, frozen.beta, dug + r * D);
-                    K::gemm_nt_direct(hq, mem, D, dug, D, frozen.zhat + b * frozen.ld_zhat, ldhb, dsb, k_len_);
+                    K::gemm_nt_direct(hq, mem, D, dug, D, zhat_rows(frozen, b), ldhb, dsb, k_len_);
                 }
                 for (index_t r = 0; r < hq; ++r) {
                     const T c = dc[b * hq + r];
@@ -441,13 +441,19 @@ private:
     /// The per-thread scratch block of a parallel_range call over [b0, b1) of the batch: block 0 when
     /// one call has the whole range, else the thread's own (see relative_attention::parallel_slots).
     index_t thread_slot(index_t b0, index_t b1) const { return b1 - b0 == batch_ ? 0 : omp_get_thread_num(); }
+    /// Batch element b's first memory row of ẑ, and the stride between its rows (frozen_key_rows'
+    /// two layouts).
+    const T* zhat_rows(const frozen_key_rows<T>& f, index_t b) const {
+        return f.zhat + b * (f.ld_batch > 0 ? f.ld_batch : f.ld_zhat);
+    }
+    index_t zhat_stride(const frozen_key_rows<T>& f) const { return f.ld_batch > 0 ? f.ld_zhat : batch_ * f.ld_zhat; }
 
     /// Batch element b's d q̃ = dS·z from dS·ẑ (into dqt's rows, then completed in place), and its norm
     /// partials acc [2D] (assigned) from q̃, dS·ẑ, dU, Û and the row sums (see absorbed_forward).
     void hat_backward(index_t b, const T* dsb, const frozen_key_rows<T>& f, index_t ldhb, const T* qt, const T* uh,
                       const T* dut, const T* rs, T* dqt, T* acc) const {
         const index_t mem = k_len_ - q_len_, hq = H * q_len_, ldb = batch_ * D;
-        K::gemm_nn_direct(hq, D, mem, dsb, k_len_, f.zhat + b * f.ld_zhat, ldhb, dqt + b * D, ldb);  // dS·ẑ
+        K::gemm_nn_direct(hq, D, mem, dsb, k_len_, zhat_rows(f, b), ldhb, dqt + b * D, ldb);  // dS·ẑ
         for (index_t i = 0; i < 2 * D; ++i) acc[i] = T(0);
         for (index_t r = 0; r < hq; ++r) {
             const T* dr = dsb + r * k_len_;

@@ -214,6 +214,8 @@ public:
         MNEMO_CHECK(!norm_rows.z_unwritten || hat_.zhat, "relative_attention '", name_, "': the memory rows of z_kv "
                     "were left unwritten (only their ẑ given), but this forward does not take the absorbed route over "
                     "all of them");
+        MNEMO_CHECK(norm_rows.ld_batch == 0 || hat_.zhat, "relative_attention '", name_, "': ẑ laid out by batch "
+                    "element is read by the absorbed route over all the memory rows only, which this forward does not take");
         last_k_len_ = k_len_;
         last_batch_ = batch_;
         kernels::copy(qb, D, q.data(), D, qu.data(), D);
@@ -302,9 +304,12 @@ public:
             // that are not frozen; frozen raw rows (no norm) need nothing. One [M, D] block per thread.
             // With the forward's ẑ (hat_) and the same rows frozen now, no d z at all.
             const bool hat = hat_.zhat && frozen.zhat == hat_.zhat && frozen.ld_zhat == hat_.ld_zhat &&
-                             frozen.rows == lb && frozen.gamma == hat_.gamma && frozen.beta == hat_.beta;
+                             frozen.ld_batch == hat_.ld_batch && frozen.rows == lb && frozen.gamma == hat_.gamma &&
+                             frozen.beta == hat_.beta;
             MNEMO_CHECK(hat || !hat_.z_unwritten, "relative_attention '", name_, "': backward's frozen rows differ "
                         "from the norm rows forward was given, whose z rows were left unwritten");
+            MNEMO_CHECK(hat || frozen.ld_batch == 0, "relative_attention '", name_, "': backward's frozen rows are laid "
+                        "out by batch element but are not the norm rows forward was given");
             const bool norm_rows = frozen.rows > 0 && frozen.zhat, open_rows = frozen.rows < lb && d_zkv.data();
             const index_t slots = kernels::parallel_slots(batch_);
             st.hat_backward = hat;
@@ -324,6 +329,8 @@ public:
             project_kv_backward(kb - lb, zkv.data() + lb * zkv.ld(), zkv.ld(), dkv + lb * 2 * D,
                                 d_zkv.data() ? d_zkv.data() + lb * d_zkv.ld() : nullptr, d_zkv.ld());
         } else if (frozen.rows > 0) {
+            MNEMO_CHECK(frozen.ld_batch == 0, "relative_attention '", name_, "': frozen ẑ rows laid out by batch "
+                        "element need the absorbed route, which the last forward did not take");
             const index_t fr = frozen.rows;
             project_kv_backward(kb - fr, zkv.data() + fr * zkv.ld(), zkv.ld(), dkv + fr * 2 * D,
                                 d_zkv.data() ? d_zkv.data() + fr * d_zkv.ld() : nullptr, d_zkv.ld());
