@@ -187,6 +187,8 @@ public:
     /// layer norm's output ẑ∘γ + β, as the frozen rows that backward will be given. The absorbed route
     /// then forms the memory's context from ẑ, which lets backward take the norm's gradients from
     /// [H·Q, D] products it already has instead of forming the memory rows' d z ([M, D] per batch element).
+    /// ẑ may be laid out by batch element (norm_rows.ld_batch > 0), the way the absorbed route reads
+    /// it; then that route must be taken (an error otherwise).
     template <view_of<T> ZQ, view_of<T> ZKV, view_of<T> O>
     void forward(const ZQ& zq, const ZKV& zkv, index_t batch, const O& out, const kv_reuse& reuse = {},
                  const frozen_key_rows<T>& norm_rows = {}) {
