@@ -295,53 +295,48 @@ TEST_CASE("relative_attention: more keys than relative positions is a clear erro
     CHECK_THROWS_WITH_AS(attention(fresh, "x", 0), doctest::Contains("n_pos"), mnemo::error);
 }
 
-TEST_CASE("relative_attention: ẑ laid out by batch element needs the absorbed route") {
+// ẑ given to forward with the memory rows of z_kv left unwritten, or laid out by batch element: both
+// need the absorbed route (forward and backward), and backward's rows must be forward's.
+TEST_CASE("relative_attention: memory rows left unwritten or ẑ by batch element need the absorbed route") {
     const index_t Q = 2, mem = 3, B = 2;
     mnemo::parameter_set<float> ps;
     mnemo::relative_attention<float, cfg> attn(ps, "self_attn", 8);
     ps.allocate();
     std::vector<float> zkv((mem + Q) * B * D, 0.5f), zhat(mem * B * D, 0.25f), gamma(D, 1.0f), beta(D, 0.0f),
         out(Q * B * D), dzq(Q * B * D), dzkv((mem + Q) * B * D), dout(Q * B * D, 1.0f), dg(D), db(D);
-    mnemo::frozen_key_rows<float> norm{mem * B, zhat.data(), D, gamma.data(), beta.data(), dg.data(), db.data()};
-    norm.ld_batch = mem * D;
-    auto forward = [&](const mnemo::frozen_key_rows<float>& rows) {
+    const mnemo::frozen_key_rows<float> rows{mem * B, zhat.data(), D, gamma.data(), beta.data(), dg.data(), db.data()};
+    auto forward = [&](const mnemo::frozen_key_rows<float>& r) {
         attn.forward(view<const float, D>(zkv.data() + mem * B * D, Q * B), view<const float, D>(zkv.data(), (mem + Q) * B),
-                     B, view<float, D>(out.data(), Q * B), {}, rows);
+                     B, view<float, D>(out.data(), Q * B), {}, r);
     };
-    auto backward = [&](const mnemo::frozen_key_rows<float>& rows) {
+    auto backward = [&](const mnemo::frozen_key_rows<float>& r) {
         attn.backward(view<const float, D>(zkv.data() + mem * B * D, Q * B), view<const float, D>(zkv.data(), (mem + Q) * B),
                       view<const float, D>(dout.data(), Q * B), view<float, D>(dzq.data(), Q * B),
-                      view<float, D>(dzkv.data(), (mem + Q) * B), false, rows);
+                      view<float, D>(dzkv.data(), (mem + Q) * B), false, r);
     };
-    attn.set_memory_attention(mnemo::memory_attention::projected);
-    CHECK_THROWS_WITH_AS(forward(norm), doctest::Contains("by batch element"), mnemo::error);
-    forward({});
-    CHECK_THROWS_WITH_AS(backward(norm), doctest::Contains("by batch element"), mnemo::error);
-    attn.set_memory_attention(mnemo::memory_attention::absorbed);
-    forward({});  // absorbed, but backward's rows are not forward's
-    CHECK_THROWS_WITH_AS(backward(norm), doctest::Contains("by batch element"), mnemo::error);
-    forward(norm);
-    CHECK_NOTHROW(backward(norm));
-}
-
-TEST_CASE("relative_attention: memory rows left unwritten need the absorbed route") {
-    const index_t Q = 2, mem = 3, B = 1;
-    mnemo::parameter_set<float> ps;
-    mnemo::relative_attention<float, cfg> attn(ps, "self_attn", 8);
-    ps.allocate();
-    std::vector<float> zkv((mem + Q) * B * D, 0.5f), zhat(mem * B * D, 0.25f), gamma(D, 1.0f), beta(D, 0.0f),
-        out(Q * B * D);
-    mnemo::frozen_key_rows<float> norm{mem * B, zhat.data(), D, gamma.data(), beta.data(), nullptr, nullptr, true};
-    auto run = [&] {
-        attn.forward(view<const float, D>(zkv.data() + mem * B * D, Q * B), view<const float, D>(zkv.data(), (mem + Q) * B),
-                     B, view<float, D>(out.data(), Q * B), {}, norm);
-    };
-    attn.set_memory_attention(mnemo::memory_attention::projected);
-    CHECK_FALSE(attn.would_absorb(Q, mem + Q));
-    CHECK_THROWS_WITH_AS(run(), doctest::Contains("left unwritten"), mnemo::error);
-    attn.set_memory_attention(mnemo::memory_attention::absorbed);
-    CHECK(attn.would_absorb(Q, mem + Q));
-    CHECK_NOTHROW(run());
+    SUBCASE("memory rows left unwritten") {
+        auto unwritten = rows;
+        unwritten.z_unwritten = true;
+        attn.set_memory_attention(mnemo::memory_attention::projected);
+        CHECK_FALSE(attn.would_absorb(Q, mem + Q));
+        CHECK_THROWS_WITH_AS(forward(unwritten), doctest::Contains("left unwritten"), mnemo::error);
+        attn.set_memory_attention(mnemo::memory_attention::absorbed);
+        CHECK(attn.would_absorb(Q, mem + Q));
+        CHECK_NOTHROW(forward(unwritten));
+    }
+    SUBCASE("ẑ by batch element") {
+        auto by_batch = rows;
+        by_batch.ld_batch = mem * D;
+        attn.set_memory_attention(mnemo::memory_attention::projected);
+        CHECK_THROWS_WITH_AS(forward(by_batch), doctest::Contains("by batch element"), mnemo::error);
+        forward({});
+        CHECK_THROWS_WITH_AS(backward(by_batch), doctest::Contains("by batch element"), mnemo::error);
+        attn.set_memory_attention(mnemo::memory_attention::absorbed);
+        forward({});  // absorbed, but backward's rows are not forward's
+        CHECK_THROWS_WITH_AS(backward(by_batch), doctest::Contains("by batch element"), mnemo::error);
+        forward(by_batch);
+        CHECK_NOTHROW(backward(by_batch));
+    }
 }
 
 // One query position (a generated token) over enough keys that one_query_forward splits its rows and
