@@ -7,9 +7,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
+#include <mnemo/core/buffer.hpp>
 #include <mnemo/kernels/cpu/ops.hpp>
 
 #include "testing.hpp"
@@ -484,4 +486,28 @@ TEST_CASE("scale_by_count: x times numerator / (count · per_count), zero for a 
     const double none = 0;
     K::scale_by_count(index_t(x.size()), x.data(), &none, 4, 2.0f);
     for (float v : x) CHECK(v == 0.0f);
+}
+
+TEST_CASE("CPU memory: blocks from one huge page on start on a 2 MiB boundary, smaller ones on 64 bytes; a buffer "
+          "growing past the threshold keeps its contents") {
+    using memory = mnemo::device_memory<mnemo::cpu>;
+    const std::size_t huge = mnemo::huge_page_bytes;
+    for (std::size_t bytes : {std::size_t(4), std::size_t(1000), huge - 64, huge, huge + 4096, 3 * huge + 12}) {
+        CAPTURE(bytes);
+        void* p = memory::allocate(bytes);
+        const auto at = reinterpret_cast<std::uintptr_t>(p);
+        CHECK(at % mnemo::buffer_alignment == 0);
+        if (bytes >= mnemo::huge_page_min_bytes) CHECK(at % huge == 0);
+        std::memset(p, 0x5a, bytes);  // every byte is ours (ASan checks the block and the matching free)
+        memory::deallocate(p, bytes);
+    }
+    mnemo::buffer<float> b;
+    const index_t small = index_t(huge / sizeof(float) / 2), large = index_t(3 * huge / sizeof(float));
+    float* p = b.ensure(small);
+    for (index_t i = 0; i < small; ++i) p[i] = float(i % 977);
+    p = b.ensure(large);
+    CHECK(reinterpret_cast<std::uintptr_t>(p) % huge == 0);
+    bool kept = true;
+    for (index_t i = 0; i < small; ++i) kept = kept && p[i] == float(i % 977);
+    CHECK(kept);
 }

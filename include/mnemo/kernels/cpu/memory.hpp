@@ -16,15 +16,18 @@ namespace mnemo {
 
 inline constexpr std::size_t buffer_alignment = 64;
 
-/// Blocks of at least this many bytes ask Linux for transparent huge pages (2 MiB) over the whole
-/// 2 MiB-aligned part of them (madvise, where THP is in its "madvise" mode, Debian's default). Streaming
-/// a generated token's weights from DRAM with 4 KiB pages ran 3-5% slower (measured on Zen 1).
-inline constexpr std::size_t huge_page_min_bytes = std::size_t(8) << 20;
+/// Blocks of at least this many bytes (one 2 MiB page) start on a 2 MiB boundary and ask Linux for
+/// transparent huge pages (madvise, where THP is in its "madvise" mode, Debian's default) over the
+/// whole pages inside them. Streaming a generated token's weights from DRAM with 4 KiB pages ran 3-5%
+/// slower (Zen 1, blocks from 8 MiB); from 2 MiB, training steps A and B ran 2-4% faster than from
+/// 8 MiB (Zen 2: B's 6 MiB keys and values, its per-layer activations; docs/performance.md).
+inline constexpr std::size_t huge_page_bytes = std::size_t(2) << 20;
+inline constexpr std::size_t huge_page_min_bytes = huge_page_bytes;
 
 /// madvise(MADV_HUGEPAGE) over the 2 MiB pages wholly inside [p, p + bytes); nothing elsewhere or on failure.
 inline void advise_huge_pages([[maybe_unused]] void* p, [[maybe_unused]] std::size_t bytes) noexcept {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-    constexpr std::uintptr_t huge = std::uintptr_t(2) << 20;
+    constexpr std::uintptr_t huge = huge_page_bytes;
     const std::uintptr_t begin = (reinterpret_cast<std::uintptr_t>(p) + huge - 1) & ~(huge - 1);
     const std::uintptr_t end = (reinterpret_cast<std::uintptr_t>(p) + bytes) & ~(huge - 1);
     if (end > begin) (void)madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
@@ -34,11 +37,12 @@ inline void advise_huge_pages([[maybe_unused]] void* p, [[maybe_unused]] std::si
 template <>
 struct device_memory<cpu> {
     static void* allocate(std::size_t bytes) {
-        void* p = ::operator new(bytes ? bytes : 1, std::align_val_t{buffer_alignment});
+        void* p = ::operator new(bytes ? bytes : 1, alignment(bytes));
         if (bytes >= huge_page_min_bytes) advise_huge_pages(p, bytes);
         return p;
     }
-    static void deallocate(void* p, std::size_t) noexcept { ::operator delete(p, std::align_val_t{buffer_alignment}); }
+    /// bytes: the size it was allocated with (the alignment follows from it).
+    static void deallocate(void* p, std::size_t bytes) noexcept { ::operator delete(p, alignment(bytes)); }
     static void fill_zero(void* p, std::size_t bytes) {
         if (bytes) std::memset(p, 0, bytes);
     }
@@ -51,6 +55,11 @@ struct device_memory<cpu> {
     }
     static void download(void* host, const void* src, std::size_t bytes) {
         if (bytes) std::memcpy(host, src, bytes);
+    }
+
+private:
+    static std::align_val_t alignment(std::size_t bytes) {
+        return std::align_val_t{bytes >= huge_page_min_bytes ? huge_page_bytes : buffer_alignment};
     }
 };
 
