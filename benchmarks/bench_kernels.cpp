@@ -1,5 +1,6 @@
 // Kernel benchmarks: GEMM GFLOP/s at transformer shapes against this machine's measured FP32 peak,
-// and throughput of softmax, layer norm and cross-entropy.
+// the attention's per-head products (BM_head_products), and throughput of softmax, layer norm and
+// cross-entropy.
 //
 //   ./build/benchmarks/bench_kernels                       everything, 1 and 2 threads
 //   ./build/benchmarks/bench_kernels --benchmark_filter=gemm
@@ -129,6 +130,48 @@ void BM_gemm(benchmark::State& state, form f, path p = path::dispatch) {
     omp_set_num_threads(omp_get_num_procs());
 }
 
+// The attention's per-head products in configuration B's layout (batch 8, 8 heads of d_k 32 in
+// d_model 256; 128 queries, 384 keys with a memory of 256; the causal band), one thread: the scores
+// q·kᵀ (nt), the context a·v (nn) and dv = aᵀ·dO (tn). Arg 1: one head's products repeated (its
+// 196 KB attention block hot in L2); arg 64: all of B's (batch element, head) pairs in turn, each
+// its own block, as in a training step. GFLOP/s by the full products' count (bench_models' count;
+// the band skips about a sixth).
+void BM_head_products(benchmark::State& state, form f) {
+    constexpr index_t B = 8, H = 8, D = 256, Dk = 32, Q = 128, M = 256, Kl = Q + M, ld = B * D, ldkv = B * 2 * D;
+    const index_t pairs = state.range(0);
+    omp_set_num_threads(1);
+    auto q = filled(Q * ld, 0.01f), kv = filled(Kl * ldkv, 0.02f), ctx = filled(Q * ld, 0.0f), dkv = filled(Kl * ldkv, 0.0f);
+    auto attn = filled(B * H * Q * Kl, 0.001f);
+    for (std::size_t i = 0; i < q.size(); ++i) q[i] = float(i % 89) * 0.01f;
+    for (std::size_t i = 0; i < kv.size(); ++i) kv[i] = float(i % 97) * 0.01f;
+    const mnemo::cpu_kernels::causal_keys band{M};
+    const double peak = peak_gflops(1);
+    const auto t0 = std::chrono::steady_clock::now();
+    for (auto _ : state) {
+        for (index_t bh = 0; bh < pairs; ++bh) {
+            const index_t b = bh / H, h = bh % H, off = b * D + h * Dk, koff = b * 2 * D + h * Dk;
+            float* a = attn.data() + bh * Q * Kl;
+            switch (f) {
+                case nt: K::head_gemm_nt<Dk>(Q, Kl, q.data() + off, ld, kv.data() + koff, ldkv, a, Kl, band); break;
+                case nn: K::head_gemm_nn<Dk>(Q, Kl, a, Kl, kv.data() + koff + D, ldkv, ctx.data() + off, ld, 0.0f, band); break;
+                case tn: K::head_gemm_tn<Dk>(Q, Kl, a, Kl, q.data() + off, ld, dkv.data() + koff + D, ldkv, 0.0f, band); break;
+            }
+        }
+        benchmark::DoNotOptimize(attn.data());
+        benchmark::DoNotOptimize(ctx.data());
+        benchmark::DoNotOptimize(dkv.data());
+        benchmark::ClobberMemory();
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double gflops = 2.0 * Q * Kl * Dk * double(pairs) * double(state.iterations()) / seconds / 1e9;
+    state.counters["GFLOPs"] = gflops;
+    state.counters["peak_GFLOPs"] = peak;
+    state.counters["peak_frac"] = gflops / peak;
+    state.counters["threads"] = 1;
+    state.SetLabel(pairs == 1 ? "one head, hot" : "B's 64 heads in turn");
+    omp_set_num_threads(omp_get_num_procs());
+}
+
 void BM_softmax(benchmark::State& state) {
     const index_t rows = state.range(0), cols = state.range(1);
     auto x = filled(rows * cols, 0.1f), y = filled(rows * cols, 0.0f);
@@ -246,6 +289,9 @@ BENCHMARK_CAPTURE(BM_gemm_packed_model, nn, nn)->Apply(model_gemm_shapes_1_2)->U
 BENCHMARK_CAPTURE(BM_gemm_packed_model, nt, nt)->Apply(model_gemm_shapes_1_2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_gemm_packed_model, tn, tn)->Apply(model_gemm_shapes_1_2)->UseRealTime()->Unit(benchmark::kMillisecond);
 #endif
+BENCHMARK_CAPTURE(BM_head_products, nt, nt)->Arg(1)->Arg(64)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_head_products, nn, nn)->Arg(1)->Arg(64)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_head_products, tn, tn)->Arg(1)->Arg(64)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_softmax)->Args({4096, 512})->Args({1024, 4096})->Args({8192, 65})->UseRealTime();
 BENCHMARK(BM_layer_norm)->Args({4096, 128})->Args({4096, 512})->Args({8192, 256})->UseRealTime();
 BENCHMARK(BM_layer_norm_backward)->Args({4096, 128})->Args({4096, 512})->UseRealTime();

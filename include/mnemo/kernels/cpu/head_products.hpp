@@ -34,6 +34,7 @@
 // tail (d_k not a whole number of vectors), which g++'s FMA contraction (-ffp-contract=fast, its
 // default) may fuse differently when the trip count is a constant.
 #include <algorithm>
+#include <type_traits>
 
 #include "../../core/shape.hpp"
 #include "gemm.hpp"
@@ -348,12 +349,7 @@ private:
             const index_t cols = std::min(nb, n - j0), ldyt = (cols + NR - 1) / NR * NR;
             // The columns a tile of rows [i, i + Rt) computes: those its last row sees, whole vectors.
             auto seen = [&](index_t i, index_t rt) { return std::min(cols, band.end(i + rt) - j0); };
-            for (index_t j = 0; j < cols; ++j) {
-                prefetch_row(y + (j0 + j + prefetch_ahead) * ldy, Dk);
-                for (index_t d = 0; d < Dk; ++d) pack[d * ldyt + j] = y[(j0 + j) * ldy + d];
-            }
-            for (index_t j = cols; j < ldyt; ++j)
-                for (index_t d = 0; d < Dk; ++d) pack[d * ldyt + j] = T(0);
+            pack_transposed<Dk_>(Dk, cols, ldyt, y + j0 * ldy, ldy, pack);
             index_t i = 0;
             for (; i + R <= m; i += R)
                 for (index_t j = 0; j < seen(i, R); j += NR)
@@ -365,6 +361,39 @@ private:
                                     std::min(NR, cols - j));
                 });
         }
+    }
+
+    /// Yᵀ's block for head_nt_wide: pack[d·ldyt + j] = y[j·ldy + d] for j < cols, zero for
+    /// cols ≤ j < ldyt (a multiple of the SIMD width), d < Dk. For float on the packed GEMM's
+    /// instruction sets, W × W blocks go through its register transpose (the scalar copy was about a
+    /// sixth of B's score products, one head hot); otherwise element by element. A copy: the bits
+    /// are the same either way.
+    template <index_t Dk_, class T>
+    static void pack_transposed(index_t dk, index_t cols, index_t ldyt, const T* y, index_t ldy, T* pack) {
+        const index_t Dk = Dk_ > 0 ? Dk_ : dk;
+#ifdef MNEMO_PACKED_GEMM
+        using isa = gemm_packed::isa;
+        if constexpr (std::is_same_v<T, float> && isa::lanes == simd::width<T>) {
+            constexpr index_t L = isa::lanes;
+            for (index_t j = 0; j < ldyt; j += L) {
+                for (index_t t = 0; t < L; ++t) prefetch_row(y + (j + t + prefetch_ahead) * ldy, Dk);
+                for (index_t d0 = 0; d0 < Dk; d0 += L) {
+                    typename isa::reg x[L];
+                    for (index_t t = 0; t < L; ++t)
+                        x[t] = j + t < cols ? isa::load_partial(y + (j + t) * ldy + d0, L) : isa::zero();
+                    isa::transpose(x);
+                    for (index_t t = 0; t < L; ++t) isa::storeu(pack + (d0 + t) * ldyt + j, x[t]);
+                }
+            }
+            return;
+        }
+#endif
+        for (index_t j = 0; j < cols; ++j) {
+            prefetch_row(y + (j + prefetch_ahead) * ldy, Dk);
+            for (index_t d = 0; d < Dk; ++d) pack[d * ldyt + j] = y[j * ldy + d];
+        }
+        for (index_t j = cols; j < ldyt; ++j)
+            for (index_t d = 0; d < Dk; ++d) pack[d * ldyt + j] = T(0);
     }
 
 public:
