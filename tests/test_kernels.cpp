@@ -366,6 +366,31 @@ TEST_CASE("layer_norm: x̂ laid out by batch element holds the same rows, moved"
     }
 }
 
+// The forward normalises rows four at a time (interleaved sums) and the rest one by one: every row
+// must come out bitwise as it does alone, wherever it falls, in place too, on one thread and split.
+TEST_CASE("layer_norm: a row's output does not depend on the rows normalised with it") {
+    for (index_t d : {5, 8, 67, 128}) {
+        for (index_t rows : {1, 3, 4, 7, 9, 600}) {
+            INFO("rows " << rows << " d " << d);
+            auto x = random_vector<float>(rows * d, 1000 + std::uint64_t(rows * d), -2, 3);
+            const auto w = random_vector<float>(d, 7, 0.5, 1.5), b = random_vector<float>(d, 8);
+            std::vector<float> y(x.size()), mean(rows), rstd(rows), xhat(x.size());
+            K::layer_norm_forward<float>(rows, d, x.data(), d, w.data(), b.data(), 1e-5f, y.data(), d, mean.data(),
+                                         rstd.data(), xhat.data(), d);
+            bool same = true;
+            for (index_t i = 0; i < rows; ++i) {
+                float yi[128], hi[128], mi, ri;
+                K::layer_norm_forward<float>(1, d, x.data() + i * d, d, w.data(), b.data(), 1e-5f, yi, d, &mi, &ri, hi, d);
+                same = same && mi == mean[i] && ri == rstd[i];
+                for (index_t j = 0; j < d; ++j) same = same && yi[j] == y[i * d + j] && hi[j] == xhat[i * d + j];
+            }
+            CHECK(same);
+            K::layer_norm_forward<float>(rows, d, x.data(), d, w.data(), b.data(), 1e-5f, x.data(), d, nullptr, nullptr);
+            CHECK(x == y);  // in place
+        }
+    }
+}
+
 TEST_CASE("layer_norm: float forward matches double reference") {
     const index_t rows = 9, d = 77;
     auto x = random_vector<float>(rows * d, 7, -4, 4);

@@ -40,53 +40,72 @@ struct layer_norm {
                                    T* y, index_t ldy, T* mean, T* rstd, T* xhat = nullptr, index_t ldxh = 0,
                                    index_t xhat_batch = 0, index_t xhat_ld_batch = 0) {
         using B = simd::batch<T>;
+        constexpr index_t W = simd::width<T>;
         const index_t nv = simd::full_batches<T>(d);
+        // R rows at a time: each row's sums are one chain over its vectors (the latency of a row of
+        // a few vectors is the chain's), so interleaving rows runs R chains at once. Every row is
+        // summed in the same order whatever R, so the bits do not depend on it.
+        auto rows_at_once = [&]<index_t R>(index_t i0) {
+            const T* xs[R];
+            for (index_t k = 0; k < R; ++k) xs[k] = x + (i0 + k) * ldx;
+            B acc[R];
+            for (index_t k = 0; k < R; ++k) acc[k] = simd::splat<T>(0);
+            for (index_t j = 0; j < nv; j += W)
+                for (index_t k = 0; k < R; ++k) acc[k] += simd::load(xs[k] + j);
+            T mu[R], r[R];
+            for (index_t k = 0; k < R; ++k) {
+                T sum = simd::reduce_add(acc[k]);
+                for (index_t j = nv; j < d; ++j) sum += xs[k][j];
+                mu[k] = sum / T(d);
+                acc[k] = simd::splat<T>(0);
+            }
+            for (index_t j = 0; j < nv; j += W)
+                for (index_t k = 0; k < R; ++k) {
+                    const B c = simd::load(xs[k] + j) - simd::splat(mu[k]);
+                    acc[k] = xsimd::fma(c, c, acc[k]);
+                }
+            for (index_t k = 0; k < R; ++k) {
+                T ss = simd::reduce_add(acc[k]);
+                for (index_t j = nv; j < d; ++j) ss += (xs[k][j] - mu[k]) * (xs[k][j] - mu[k]);
+                r[k] = T(1) / std::sqrt(ss / T(d) + eps);
+            }
+            for (index_t k = 0; k < R; ++k) {
+                const index_t i = i0 + k;
+                const T* xi = xs[k];
+                if (mean) mean[i] = mu[k];
+                if (rstd) rstd[i] = r[k];
+                const B vmu = simd::splat(mu[k]), vr = simd::splat(r[k]);
+                T* yi = y ? y + i * ldy : nullptr;
+                T* hi = !xhat            ? nullptr
+                        : xhat_batch > 0 ? xhat + (i % xhat_batch) * xhat_ld_batch + (i / xhat_batch) * ldxh
+                                         : xhat + i * ldxh;
+                index_t j = 0;
+                if (!yi) {  // x̂ only (or only the statistics, when xhat is null too)
+                    if (!hi) continue;
+                    for (; j < nv; j += W) simd::store(hi + j, (simd::load(xi + j) - vmu) * vr);
+                    for (; j < d; ++j) hi[j] = (xi[j] - mu[k]) * r[k];
+                    continue;
+                }
+                for (; j < nv; j += W) {
+                    B v = (simd::load(xi + j) - vmu) * vr;
+                    if (hi) simd::store(hi + j, v);
+                    if (w) v *= simd::load(w + j);
+                    if (b) v += simd::load(b + j);
+                    simd::store(yi + j, v);
+                }
+                for (; j < d; ++j) {
+                    T v = (xi[j] - mu[k]) * r[k];
+                    if (hi) hi[j] = v;
+                    if (w) v *= w[j];
+                    if (b) v += b[j];
+                    yi[j] = v;
+                }
+            }
+        };
         parallel_range(rows, rows * d >= 65536, [&](index_t i_begin, index_t i_end) {
-        for (index_t i = i_begin; i < i_end; ++i) {
-            const T* xi = x + i * ldx;
-            T* yi = y ? y + i * ldy : nullptr;
-            B acc = simd::splat<T>(0);
-            index_t j = 0;
-            for (; j < nv; j += simd::width<T>) acc += simd::load(xi + j);
-            T s = simd::reduce_add(acc);
-            for (; j < d; ++j) s += xi[j];
-            const T mu = s / T(d);
-            const B vmu = simd::splat(mu);
-            acc = simd::splat<T>(0);
-            for (j = 0; j < nv; j += simd::width<T>) {
-                const B c = simd::load(xi + j) - vmu;
-                acc = xsimd::fma(c, c, acc);
-            }
-            T ss = simd::reduce_add(acc);
-            for (; j < d; ++j) ss += (xi[j] - mu) * (xi[j] - mu);
-            const T r = T(1) / std::sqrt(ss / T(d) + eps);
-            if (mean) mean[i] = mu;
-            if (rstd) rstd[i] = r;
-            const B vr = simd::splat(r);
-            T* hi = !xhat            ? nullptr
-                    : xhat_batch > 0 ? xhat + (i % xhat_batch) * xhat_ld_batch + (i / xhat_batch) * ldxh
-                                     : xhat + i * ldxh;
-            if (!yi) {  // x̂ only (or only the statistics, when xhat is null too)
-                if (!hi) continue;
-                for (j = 0; j < nv; j += simd::width<T>) simd::store(hi + j, (simd::load(xi + j) - vmu) * vr);
-                for (; j < d; ++j) hi[j] = (xi[j] - mu) * r;
-                continue;
-            }
-            for (j = 0; j < nv; j += simd::width<T>) {
-                B v = (simd::load(xi + j) - vmu) * vr;
-                if (hi) simd::store(hi + j, v);
-                if (w) v *= simd::load(w + j);
-                if (b) v += simd::load(b + j);
-                simd::store(yi + j, v);
-            }
-            for (; j < d; ++j) {
-                T v = (xi[j] - mu) * r;
-                if (hi) hi[j] = v;
-                if (w) v *= w[j];
-                if (b) v += b[j];
-                yi[j] = v;
-            }
-        }
+            index_t i = i_begin;
+            for (; i + 4 <= i_end; i += 4) rows_at_once.template operator()<4>(i);
+            for (; i < i_end; ++i) rows_at_once.template operator()<1>(i);
         });
     }
 
