@@ -78,17 +78,19 @@ bool dispatched_to_blas(index_t m, index_t n, index_t k) {
 }  // namespace
 
 TEST_CASE("gemm dispatch: small per-head products, GEMVs and other types stay on the Eigen path") {
-    for (auto [m, n, k] : {shape{8, 152, 32}, shape{128, 384, 32}, shape{1, 1024, 1024}, shape{2, 4096, 512},
-                           shape{64, 64, 64}, shape{1024, 128, 16}}) {
-        INFO(m << "x" << n << "x" << k);
-        CHECK_FALSE(dispatched_to_blas<float>(m, n, k));
+    // Not structured bindings: INFO captures its arguments in a lambda, which clang 14 does not allow
+    // for them.
+    for (const shape s : {shape{8, 152, 32}, shape{128, 384, 32}, shape{1, 1024, 1024}, shape{2, 4096, 512},
+                          shape{64, 64, 64}, shape{1024, 128, 16}}) {
+        INFO(s.m << "x" << s.n << "x" << s.k);
+        CHECK_FALSE(dispatched_to_blas<float>(s.m, s.n, s.k));
     }
     CHECK_FALSE(dispatched_to_blas<long double>(1024, 1024, 1024));
     // The large products of B and C go to OpenBLAS when it is in use.
-    for (auto [m, n, k] : {shape{1024, 256, 256}, shape{3072, 512, 256}, shape{512, 2048, 1024}}) {
-        INFO(m << "x" << n << "x" << k);
-        CHECK(dispatched_to_blas<float>(m, n, k) == blas_in_use());
-        CHECK(dispatched_to_blas<double>(m, n, k) == blas_in_use());
+    for (const shape s : {shape{1024, 256, 256}, shape{3072, 512, 256}, shape{512, 2048, 1024}}) {
+        INFO(s.m << "x" << s.n << "x" << s.k);
+        CHECK(dispatched_to_blas<float>(s.m, s.n, s.k) == blas_in_use());
+        CHECK(dispatched_to_blas<double>(s.m, s.n, s.k) == blas_in_use());
     }
 #ifdef MNEMO_USE_BLAS
     const std::string note = std::string("OpenBLAS core '") + K::blas_core() + "': " +
@@ -102,7 +104,8 @@ TEST_CASE_TEMPLATE("gemm: the dispatching forms agree with the Eigen path; beta 
     std::uint64_t seed = 10;
     for (const auto& s : large_shapes) {
         for (gemm_form f : {nn, nt, tn}) {
-            for (auto [beta, alpha] : {std::pair{T(0), T(1)}, {T(1), T(1)}, {T(0.5), T(-0.75)}}) {
+            for (const auto& scalars : {std::pair{T(0), T(1)}, {T(1), T(1)}, {T(0.5), T(-0.75)}}) {
+                const T beta = scalars.first, alpha = scalars.second;  // not bindings: INFO's lambda (clang 14)
                 {
                     gemm_operands<T> p(f, s.m, s.n, s.k, 5, seed++);
                     std::vector<T> got = p.c, ref = p.c;
