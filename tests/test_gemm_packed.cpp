@@ -195,7 +195,7 @@ TEST_CASE("gemm_packed: every tuning trait of every kernel this build has, on 1 
     check_every_tuning<gemm_packed_t<packed_isa_avx2>, avx2>({avx2::zen2, avx2::other});
 #ifdef __AVX512F__
     using avx512 = packed_tuning<packed_isa_avx512>;
-    check_every_tuning<gemm_packed_t<packed_isa_avx512>, avx512>({avx512::zen5, avx512::zen4});
+    check_every_tuning<gemm_packed_t<packed_isa_avx512>, avx512>({avx512::zen5, avx512::zen4, avx512::xeon_spr});
 #endif
     MESSAGE("this machine: " << std::string(cpu_model_name(this_cpu_model())) << ", kernel " << std::string(GP::isa::name) << ", blocking "
                              << std::string(GP::tuning().measured_on) << " (kc " << GP::tuning().kc << ", mc " << GP::tuning().mc
@@ -339,7 +339,7 @@ TEST_CASE("gemm_packed: not compiled (no AVX2 + FMA), every product stays on Eig
 
 #endif
 
-TEST_CASE("cpu_model: AMD families and models map to their Zen generation") {
+TEST_CASE("cpu_model: AMD families and models map to their Zen generation, Intel's to the Xeons measured") {
     using mnemo::cpu_kernels::amd_cpu_model;
     using mnemo::cpu_kernels::cpu_model;
     CHECK(amd_cpu_model(0x17, 0x01) == cpu_model::zen1);  // Naples
@@ -353,5 +353,10 @@ TEST_CASE("cpu_model: AMD families and models map to their Zen generation") {
     CHECK(amd_cpu_model(0x19, 0xa0) == cpu_model::zen4);  // Bergamo
     CHECK(amd_cpu_model(0x1a, 0x02) == cpu_model::zen5);  // Turin
     CHECK(amd_cpu_model(0x15, 0x02) == cpu_model::other); // Piledriver
+    using mnemo::cpu_kernels::intel_cpu_model;
+    CHECK(intel_cpu_model(6, 0x8f) == cpu_model::xeon_spr);  // Sapphire Rapids
+    CHECK(intel_cpu_model(6, 0xcf) == cpu_model::xeon_spr);  // Emerald Rapids
+    CHECK(intel_cpu_model(6, 0x55) == cpu_model::other);     // Skylake-SP / Cascade Lake
+    CHECK(intel_cpu_model(6, 0xad) == cpu_model::other);     // Granite Rapids (not measured)
     MESSAGE("this machine: " << std::string(cpu_model_name(mnemo::cpu_kernels::this_cpu_model())));
 }

@@ -199,9 +199,11 @@ void check_elementwise(std::uint64_t seed) {
     CHECK(max_ok);
     CHECK(select_ok);
     CHECK(worst_exp <= 2);
-    // Measured on AVX2 and SSE4.2: float 6 ulp; double about 3·10^4 ulp (7e-12 relative: xsimd 8.1's
-    // double erfc is a float-grade fit, still far inside every double test's tolerance).
-    CHECK(worst_erfc <= (sizeof(T) == 4 ? 8 : 1e5));
+    // Measured: float 6 ulp on AVX2 and SSE4.2, 9 on AVX-512 (an Emerald Rapids Xeon; xsimd 8.1's
+    // avx512 erfc rounds differently); double about 3·10^4 ulp (7e-12 relative: xsimd 8.1's double
+    // erfc is a float-grade fit, still far inside every double test's tolerance). GELU is its user:
+    // 12 ulp is 1.4e-6 relative.
+    CHECK(worst_erfc <= (sizeof(T) == 4 ? 12 : 1e5));
     // exp at the ends of its range and beyond: softmax relies on exp(−large) = 0 and exp(0) = 1.
     alignas(64) T edge[W], got[W];
     const T lows[] = {T(0), T(-exp_arg * 1.2), T(-std::numeric_limits<T>::infinity())};
@@ -308,6 +310,6 @@ TEST_CASE("simd (AVX-512): xsimd 8.1's haddp, which mnemo does not use, against 
         CHECK(fixed[i] == float(i * B::size));
         haddp_right = haddp_right && lanes[i] == fixed[i];
     }
-    MESSAGE("xsimd haddp on " << arch_name() << ": " << (haddp_right ? "right" : "sums in the wrong lanes (not used)"));
+    MESSAGE("xsimd haddp on " << arch_name() << ": " << std::string(haddp_right ? "right" : "sums in the wrong lanes (not used)"));
 }
 #endif

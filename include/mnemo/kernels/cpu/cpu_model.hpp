@@ -1,8 +1,10 @@
 #pragma once
 // Which x86 microarchitecture this process runs on, read once from CPUID (vendor, family, model), for
 // the kernels whose blocking was measured per microarchitecture (gemm_packed.hpp's tuning traits).
-// Only what was measured is told apart: AMD's Zen generations by family and model; everything else
-// (Intel, other vendors, non-x86 builds) is `other` and gets the defaults.
+// Only what was measured is told apart: AMD's Zen generations by family and model, and Intel's
+// Sapphire Rapids / Emerald Rapids Xeons (Golden Cove and Raptor Cove cores: 48 KiB L1d, 2 MiB L2 a
+// core); everything else (other Intel cores, other vendors, non-x86 builds) is `other` and gets the
+// defaults.
 #include <cstring>
 #include <string_view>
 
@@ -12,7 +14,7 @@
 
 namespace mnemo::cpu_kernels {
 
-enum class cpu_model { zen1, zen2, zen3, zen4, zen5, other };
+enum class cpu_model { zen1, zen2, zen3, zen4, zen5, xeon_spr, other };
 
 inline const char* cpu_model_name(cpu_model m) {
     switch (m) {
@@ -21,6 +23,7 @@ inline const char* cpu_model_name(cpu_model m) {
         case cpu_model::zen3: return "zen3";
         case cpu_model::zen4: return "zen4";
         case cpu_model::zen5: return "zen5";
+        case cpu_model::xeon_spr: return "xeon-spr";
         case cpu_model::other: break;
     }
     return "other";
@@ -39,6 +42,14 @@ inline cpu_model amd_cpu_model(unsigned family, unsigned model) {
     return cpu_model::other;
 }
 
+/// The microarchitecture of an Intel CPU of CPUID family `family` and model `model` (display
+/// values): family 6, model 8Fh (Sapphire Rapids) or CFh (Emerald Rapids) is xeon_spr; the rest
+/// (Granite Rapids' 2 MiB-L2 cores included, not measured) is other.
+inline cpu_model intel_cpu_model(unsigned family, unsigned model) {
+    if (family == 6 && (model == 0x8f || model == 0xcf)) return cpu_model::xeon_spr;
+    return cpu_model::other;
+}
+
 /// This machine's microarchitecture, detected once per process.
 inline cpu_model this_cpu_model() {
     static const cpu_model model = [] {
@@ -49,11 +60,14 @@ inline cpu_model this_cpu_model() {
         std::memcpy(vendor, &ebx, 4);
         std::memcpy(vendor + 4, &edx, 4);
         std::memcpy(vendor + 8, &ecx, 4);
-        if (std::string_view(vendor) != "AuthenticAMD" || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return cpu_model::other;
+        const std::string_view v(vendor);
+        if ((v != "AuthenticAMD" && v != "GenuineIntel") || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return cpu_model::other;
+        // Display family and model (Intel's SDM and AMD's manuals agree): the extended family is
+        // added at base family Fh; the extended model is prefixed at base family 6 or Fh.
         const unsigned base_family = (eax >> 8) & 0xf, base_model = (eax >> 4) & 0xf;
         const unsigned family = base_family == 0xf ? base_family + ((eax >> 20) & 0xff) : base_family;
-        const unsigned model = base_family == 0xf ? base_model | (((eax >> 16) & 0xf) << 4) : base_model;
-        return amd_cpu_model(family, model);
+        const unsigned model = base_family == 0xf || base_family == 6 ? base_model | (((eax >> 16) & 0xf) << 4) : base_model;
+        return v == "AuthenticAMD" ? amd_cpu_model(family, model) : intel_cpu_model(family, model);
 #else
         return cpu_model::other;
 #endif

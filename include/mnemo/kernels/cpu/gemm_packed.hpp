@@ -189,7 +189,16 @@ struct packed_tuning<packed_isa_avx512> {
     // Zen 4 (32 KiB L1d, 1 MiB L2): Zen 5's values, not retuned; 0.85-0.88 of peak on the large GEMMs
     // of B and C measured with them on a 2-core Zen 4 VM in an earlier session.
     static constexpr packed_blocking zen4{"zen4 (zen5's values)", 512, 252, 2048, 1024};
-    static constexpr packed_blocking for_model(cpu_model m) { return m == cpu_model::zen4 ? zen4 : zen5; }
+    // Sapphire/Emerald Rapids (48 KiB L1d, 2 MiB L2): Zen 5's values, measured on a 2-core Emerald
+    // Rapids VM (peak 175 / 345 GFLOP/s on 1 / 2 threads), the 51 products, medians of 4-5
+    // interleaved runs: 1 thread mc 126 / 252 / 504 (kc 512) 143 / 148 / 146 GFLOP/s, kc 384 (mc
+    // 378) 144; 2 threads mc 252 / 378 / 504 / 700 263 / 255 / 277 / 264, nc 4096 283 (mc 252) and
+    // 246 (mc 504), kc 256 252: the 2-MiB L2's larger blocks gain nothing the noise (212-296 for one
+    // setting) would show.
+    static constexpr packed_blocking xeon_spr{"xeon-spr (zen5's values, measured)", 512, 252, 2048, 1024};
+    static constexpr packed_blocking for_model(cpu_model m) {
+        return m == cpu_model::zen4 ? zen4 : m == cpu_model::xeon_spr ? xeon_spr : zen5;
+    }
 };
 #endif
 
