@@ -5,9 +5,11 @@
 // (tests/cuda), its golden cases run on the GPU.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -29,6 +31,7 @@ using mnemo::index_t;
 using mnemo::token_t;
 using mnemo::view;
 using mnemo::testing::check_close;
+using mnemo::testing::check_close_each;
 using mnemo::testing::to_host;
 using mnemo::testing::check_gradients;
 using mnemo::testing::golden_fp32;
@@ -370,13 +373,32 @@ void check_golden(const std::string& name, tolerance tol, tolerance tol_after, b
         }
         const double norm = mnemo::clip_grad_norm(ps, clip), ref_norm = f.to_vector<double>(step + "grad_norm").at(0);
         check_close(step + "grad_norm", &norm, &ref_norm, 1, tol.atol, tol.rtol);
+        std::vector<T> before(values.size());
+        ps.download_all_values(before);
         if (adamw) opt_adamw.step(ps);
         else opt_noam.step(ps, noam);
         ps.download_all_values(values);
         for (const auto& e : ps.entries()) {
             const auto w = f.to_vector<double>(step + "after." + e.name);
-            check_close(step + "after." + e.name, values.data() + e.offset, w.data(), e.size, tol_after.atol,
-                        tol_after.rtol);
+            if constexpr (std::is_same_v<T, float>) {
+                // An Adam-family step moves a weight by about lr_t·g/(|g| + eps): where the reference
+                // gradient is under 1e-6, float32 noise in g (~1e-9, whatever the summation order the
+                // build's contraction gives) changes that move by up to a few percent (seen: 1.2% at
+                // |g| = 2.2e-7 in a -O1 build on AVX-512). There the weight is held to 10% of the
+                // reference's move instead of tol_after.
+                const auto g = f.to_vector<double>(step + "grad." + e.name);
+                std::vector<double> atol(std::size_t(e.size));
+                for (index_t i = 0; i < e.size; ++i) {
+                    const std::size_t k = std::size_t(i), o = std::size_t(e.offset + i);
+                    atol[k] = std::abs(g[k]) < 1e-6 ? std::max(tol_after.atol, 0.1 * std::abs(w[k] - double(before[o])))
+                                                    : tol_after.atol;
+                }
+                check_close_each(step + "after." + e.name, values.data() + e.offset, w.data(), atol.data(), e.size,
+                                 tol_after.rtol);
+            } else {
+                check_close(step + "after." + e.name, values.data() + e.offset, w.data(), e.size, tol_after.atol,
+                            tol_after.rtol);
+            }
             // float32: continue from the reference's weights, so that each step is checked on its own. A Noam
             // step of lr_t ≈ 0.05 turns float32 rounding in tiny gradients into weight differences of ~1e-4,
             // which the next step's logits would carry (the float64 run keeps its own weights throughout).

@@ -7,7 +7,7 @@
 //   simd::transpose_add  (heads_dot_rows)  lane i = Σ lanes of batch i, each in halving_sum's order
 //   simd::reduce_add     (xsimd::hadd)     softmax, layer norm, cross-entropy, head_nt
 //   simd::reduce_max                       own lane loop
-//   xsimd::fma / fms                       fused (one rounding, as std::fma) where the target has FMA
+//   simd::fma / fms                        fused (one rounding, as std::fma) where the target has FMA
 //   xsimd::max / select / comparison       ReLU and its gradient, running maxima
 //   xsimd::exp / erfc                      softmax, cross-entropy, GELU: a few ulp of std::
 //   batch load/store (unaligned)           everywhere
@@ -36,7 +36,7 @@ std::string arch_name() { return simd::arch::name(); }
 template <class T>
 std::string type_name() { return sizeof(T) == 4 ? "float" : "double"; }
 
-// What xsimd::fma(a, b, c) must give: one rounding where the target has FMA instructions, a·b
+// What simd::fma(a, b, c) must give: one rounding where the target has FMA instructions, a·b
 // rounded and then + c rounded where it has not (xsimd then emulates it; so does mnemo's scalar code).
 template <class T>
 T expected_fma(T a, T b, T c) {
@@ -175,8 +175,8 @@ void check_elementwise(std::uint64_t seed) {
     for (index_t i = 0; i < n; i += W) {
         const B va = simd::load(a.data() + i), vb = simd::load(b.data() + i), vc = simd::load(c.data() + i);
         alignas(64) T fma[W], fms[W], mx[W], sel[W], ex[W], ef[W], xs[W];
-        xsimd::fma(va, vb, vc).store_aligned(fma);
-        xsimd::fms(va, vb, vc).store_aligned(fms);
+        simd::fma(va, vb, vc).store_aligned(fma);
+        simd::fms(va, vb, vc).store_aligned(fms);
         xsimd::max(va, vb).store_aligned(mx);
         xsimd::select(va > vb, vc, simd::splat(T(0))).store_aligned(sel);
         for (int l = 0; l < W; ++l) xs[l] = T(a[std::size_t(i + l)] / 3 * exp_arg);

@@ -54,8 +54,8 @@ struct gemm_direct_t {
 #pragma GCC unroll 16
             for (int i = 0; i < MR; ++i) {
                 const batch ai(a[i * lda + p]);
-                acc[i][0] = xsimd::fma(ai, b0, acc[i][0]);
-                if constexpr (Two) acc[i][1] = xsimd::fma(ai, b1, acc[i][1]);
+                acc[i][0] = simd::fma(ai, b0, acc[i][0]);
+                if constexpr (Two) acc[i][1] = simd::fma(ai, b1, acc[i][1]);
             }
         }
         const batch vb(beta);
@@ -63,8 +63,8 @@ struct gemm_direct_t {
         for (int i = 0; i < MR; ++i) {
             float* ci = c + i * ldc;
             if (beta != 0.0f) {
-                acc[i][0] = xsimd::fma(vb, batch(Isa::load_partial(ci, cols)), acc[i][0]);
-                if constexpr (Two) acc[i][1] = xsimd::fma(vb, batch(Isa::load_partial(ci + lanes, c1)), acc[i][1]);
+                acc[i][0] = simd::fma(vb, batch(Isa::load_partial(ci, cols)), acc[i][0]);
+                if constexpr (Two) acc[i][1] = simd::fma(vb, batch(Isa::load_partial(ci + lanes, c1)), acc[i][1]);
             }
             Isa::store_partial(ci, cols, acc[i][0]);
             if constexpr (Two) Isa::store_partial(ci + lanes, c1, acc[i][1]);
@@ -125,7 +125,7 @@ struct gemm_direct_t {
                     for (index_t i = 0; i < std::min(lanes, rows - i0); ++i) {
                         float* ci = c + (r0 + i0 + i) * ldc + j0;
                         batch v(x[i]);
-                        if (beta != 0.0f) v = xsimd::fma(vb, batch(Isa::load_partial(ci, n - j0)), v);
+                        if (beta != 0.0f) v = simd::fma(vb, batch(Isa::load_partial(ci, n - j0)), v);
                         Isa::store_partial(ci, n - j0, v);
                     }
                 }

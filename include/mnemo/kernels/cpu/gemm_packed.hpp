@@ -68,6 +68,7 @@
 #include <xsimd/xsimd.hpp>
 
 #include "../../core/shape.hpp"
+#include "simd.hpp"
 
 namespace mnemo::cpu_kernels {
 
@@ -332,7 +333,7 @@ struct gemm_packed_t {
             : va(alpha), vb(beta), unit_alpha(alpha == 1.0f), unit_beta(beta == 1.0f), load_c(load) {}
         batch operator()(const batch& acc, const batch& c) const {
             if (!load_c) return unit_alpha ? acc : va * acc;
-            return xsimd::fma(va, acc, unit_beta ? c : vb * c);
+            return simd::fma(va, acc, unit_beta ? c : vb * c);
         }
     };
 
@@ -356,7 +357,7 @@ struct gemm_packed_t {
             for (index_t i = 0; i < mr; ++i) {
                 const batch ai(a[i * IS + p * PS]);
 #pragma GCC unroll 2
-                for (index_t v = 0; v < nv; ++v) acc[i][v] = xsimd::fma(ai, bv[v], acc[i][v]);
+                for (index_t v = 0; v < nv; ++v) acc[i][v] = simd::fma(ai, bv[v], acc[i][v]);
             }
         }
         if (rows == mr && cols == nr) {

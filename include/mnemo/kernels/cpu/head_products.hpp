@@ -191,10 +191,10 @@ private:
                 B a0 = xi[0] * simd::load(y + (j + 0) * ldy), a1 = xi[0] * simd::load(y + (j + 1) * ldy);
                 B a2 = xi[0] * simd::load(y + (j + 2) * ldy), a3 = xi[0] * simd::load(y + (j + 3) * ldy);
                 for (index_t v = 1; v < V; ++v) {
-                    a0 = xsimd::fma(xi[v], simd::load(y + (j + 0) * ldy + v * W), a0);
-                    a1 = xsimd::fma(xi[v], simd::load(y + (j + 1) * ldy + v * W), a1);
-                    a2 = xsimd::fma(xi[v], simd::load(y + (j + 2) * ldy + v * W), a2);
-                    a3 = xsimd::fma(xi[v], simd::load(y + (j + 3) * ldy + v * W), a3);
+                    a0 = simd::fma(xi[v], simd::load(y + (j + 0) * ldy + v * W), a0);
+                    a1 = simd::fma(xi[v], simd::load(y + (j + 1) * ldy + v * W), a1);
+                    a2 = simd::fma(xi[v], simd::load(y + (j + 2) * ldy + v * W), a2);
+                    a3 = simd::fma(xi[v], simd::load(y + (j + 3) * ldy + v * W), a3);
                 }
                 si[j] = simd::reduce_add(a0);
                 si[j + 1] = simd::reduce_add(a1);
@@ -203,7 +203,7 @@ private:
             }
             for (; j < n; ++j) {
                 B a = xi[0] * simd::load(y + j * ldy);
-                for (index_t v = 1; v < V; ++v) a = xsimd::fma(xi[v], simd::load(y + j * ldy + v * W), a);
+                for (index_t v = 1; v < V; ++v) a = simd::fma(xi[v], simd::load(y + j * ldy + v * W), a);
                 si[j] = simd::reduce_add(a);
             }
         }
@@ -240,7 +240,7 @@ private:
             for (index_t v = 0; v < VC; ++v) yv[v] = simd::load(y + p * ldy + v * W);
             for (index_t r = 0; r < R; ++r) {
                 const B s = simd::splat(a[r * rs + p * ps]);
-                for (index_t v = 0; v < VC; ++v) c[r][v] = xsimd::fma(s, yv[v], c[r][v]);
+                for (index_t v = 0; v < VC; ++v) c[r][v] = simd::fma(s, yv[v], c[r][v]);
             }
         }
         for (index_t r = 0; r < R; ++r)
@@ -318,8 +318,8 @@ private:
             const B y0 = simd::load(yt + d * ldyt), y1 = simd::load(yt + d * ldyt + W);
             for (index_t r = 0; r < R; ++r) {
                 const B xs = simd::splat(x[r * ldx + d]);
-                c[r][0] = xsimd::fma(xs, y0, c[r][0]);
-                c[r][1] = xsimd::fma(xs, y1, c[r][1]);
+                c[r][0] = simd::fma(xs, y0, c[r][0]);
+                c[r][1] = simd::fma(xs, y1, c[r][1]);
             }
         }
         if (cols == 2 * W) {
@@ -458,7 +458,7 @@ private:
                             }
                             const T* yi = yh + i * ldy;
                             B a = xv[0] * simd::load(yi);
-                            for (index_t v = 1; v < CV; ++v) a = xsimd::fma(xv[v], simd::load(yi + v * W), a);
+                            for (index_t v = 1; v < CV; ++v) a = simd::fma(xv[v], simd::load(yi + v * W), a);
                             acc[i] = a;
                         }
                         simd::transpose_add(acc).store_aligned(sums);
@@ -475,7 +475,7 @@ private:
                         const T* yi = yh + i * ldy;
                         B a = simd::load(xh) * simd::load(yi);
                         for (index_t v = 1; v < V; ++v)
-                            a = xsimd::fma(simd::load(xh + v * W), simd::load(yi + v * W), a);
+                            a = simd::fma(simd::load(xh + v * W), simd::load(yi + v * W), a);
                         acc[i] = a;
                     }
                     simd::transpose_add(acc).store_aligned(sums);
@@ -506,7 +506,7 @@ private:
                 T* oh = o + h * Dk;
                 for (index_t v = 0; v < V; ++v) {
                     B c = simd::load(oh + v * W);
-                    for (index_t i = 0; i < R; ++i) c = xsimd::fma(simd::splat(ah[i]), simd::load(yh + i * ldy + v * W), c);
+                    for (index_t i = 0; i < R; ++i) c = simd::fma(simd::splat(ah[i]), simd::load(yh + i * ldy + v * W), c);
                     simd::store(oh + v * W, c);
                 }
                 for (index_t d = V * W; d < Dk; ++d)

@@ -62,7 +62,7 @@ struct layer_norm {
             for (index_t j = 0; j < nv; j += W)
                 for (index_t k = 0; k < R; ++k) {
                     const B c = simd::load(xs[k] + j) - simd::splat(mu[k]);
-                    acc[k] = xsimd::fma(c, c, acc[k]);
+                    acc[k] = simd::fma(c, c, acc[k]);
                 }
             for (index_t k = 0; k < R; ++k) {
                 T ss = simd::reduce_add(acc[k]);
@@ -131,7 +131,7 @@ struct layer_norm {
                     if (w) g *= simd::load(w + j);
                     const B xh = (simd::load(xi + j) - vmu) * vr;
                     sg += g;
-                    sgx = xsimd::fma(g, xh, sgx);
+                    sgx = simd::fma(g, xh, sgx);
                 }
                 T mg = simd::reduce_add(sg), mgx = simd::reduce_add(sgx);
                 for (; j < d; ++j) {

@@ -29,6 +29,43 @@ template <class T>
 inline void store(T* p, const batch<T>& b) { b.store_unaligned(p); }
 template <class T>
 inline batch<T> splat(T v) { return batch<T>(v); }
+
+/// x·y + z (fma) and x·y − z (fms) with one rounding, for a batch of any x86 instruction set. xsimd
+/// 8.1 has fused kernels for fma3<sse4_2> and fma3<avx> only: on AVX-512 (and for an explicit avx2
+/// arch) it computes x·y + z with two roundings, which g++ contracts into one FMA only from -O2 (a
+/// -O1 build then rounds differently from a -O3 one). These call the FMA instructions themselves.
+template <class T, class A>
+inline xsimd::batch<T, A> fma(const xsimd::batch<T, A>& x, const xsimd::batch<T, A>& y, const xsimd::batch<T, A>& z) {
+    using B = xsimd::batch<T, A>;
+    constexpr bool f32 = std::is_same_v<T, float>, f64 = std::is_same_v<T, double>;
+#if defined(__AVX512F__)
+    if constexpr (sizeof(B) == 64 && f32) return B(_mm512_fmadd_ps(x, y, z));
+    if constexpr (sizeof(B) == 64 && f64) return B(_mm512_fmadd_pd(x, y, z));
+#endif
+#if defined(__FMA__)
+    if constexpr (sizeof(B) == 32 && f32) return B(_mm256_fmadd_ps(x, y, z));
+    if constexpr (sizeof(B) == 32 && f64) return B(_mm256_fmadd_pd(x, y, z));
+    if constexpr (sizeof(B) == 16 && f32) return B(_mm_fmadd_ps(x, y, z));
+    if constexpr (sizeof(B) == 16 && f64) return B(_mm_fmadd_pd(x, y, z));
+#endif
+    return xsimd::fma(x, y, z);
+}
+template <class T, class A>
+inline xsimd::batch<T, A> fms(const xsimd::batch<T, A>& x, const xsimd::batch<T, A>& y, const xsimd::batch<T, A>& z) {
+    using B = xsimd::batch<T, A>;
+    constexpr bool f32 = std::is_same_v<T, float>, f64 = std::is_same_v<T, double>;
+#if defined(__AVX512F__)
+    if constexpr (sizeof(B) == 64 && f32) return B(_mm512_fmsub_ps(x, y, z));
+    if constexpr (sizeof(B) == 64 && f64) return B(_mm512_fmsub_pd(x, y, z));
+#endif
+#if defined(__FMA__)
+    if constexpr (sizeof(B) == 32 && f32) return B(_mm256_fmsub_ps(x, y, z));
+    if constexpr (sizeof(B) == 32 && f64) return B(_mm256_fmsub_pd(x, y, z));
+    if constexpr (sizeof(B) == 16 && f32) return B(_mm_fmsub_ps(x, y, z));
+    if constexpr (sizeof(B) == 16 && f64) return B(_mm_fmsub_pd(x, y, z));
+#endif
+    return xsimd::fms(x, y, z);
+}
 /// xsimd's hadd, except for 8 doubles: there g++ 12 warns, wherever it is inlined into user code,
 /// about the undefined vector inside _mm512_extractf64x4_pd; the lanes are summed here in hadd's
 /// own order instead (hi + lo halves, then (0 + 2) + (1 + 3)), so the result is the same.

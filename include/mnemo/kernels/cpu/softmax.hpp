@@ -108,14 +108,14 @@ struct softmax {
             const index_t nvn = simd::full_batches<T>(n);  // whole vectors inside the visible prefix
             B acc = simd::splat<T>(0);
             index_t j = 0;
-            for (; j < nvn; j += W) acc = xsimd::fma(simd::load(yi + j), simd::load(dyi + j), acc);
+            for (; j < nvn; j += W) acc = simd::fma(simd::load(yi + j), simd::load(dyi + j), acc);
             if (j < n && j < nv) {  // the vector the prefix ends in, zero past n (where y is zero)
                 alignas(64) T ty[W] = {}, tdy[W] = {};
                 for (index_t t = 0; j + t < n; ++t) {
                     ty[t] = yi[j + t];
                     tdy[t] = dyi[j + t];
                 }
-                acc = xsimd::fma(B::load_aligned(ty), B::load_aligned(tdy), acc);
+                acc = simd::fma(B::load_aligned(ty), B::load_aligned(tdy), acc);
                 j += W;
             }
             T dot = simd::reduce_add(acc);
@@ -154,7 +154,7 @@ private:
         const B vs = simd::splat(scale), vshift = simd::splat(shift);
         B vsum = simd::splat<T>(0);
         for (j = 0; j < nv; j += simd::width<T>) {
-            const B e = xsimd::exp(xsimd::fms(vs, simd::load(x + j), vshift));
+            const B e = xsimd::exp(simd::fms(vs, simd::load(x + j), vshift));
             simd::store(y + j, e);
             vsum += e;
         }
