@@ -33,39 +33,39 @@ inline batch<T> splat(T v) { return batch<T>(v); }
 /// x·y + z (fma) and x·y − z (fms) with one rounding, for a batch of any x86 instruction set. xsimd
 /// 8.1 has fused kernels for fma3<sse4_2> and fma3<avx> only: on AVX-512 (and for an explicit avx2
 /// arch) it computes x·y + z with two roundings, which g++ contracts into one FMA only from -O2 (a
-/// -O1 build then rounds differently from a -O3 one). These call the FMA instructions themselves.
-template <class T, class A>
-inline xsimd::batch<T, A> fma(const xsimd::batch<T, A>& x, const xsimd::batch<T, A>& y, const xsimd::batch<T, A>& z) {
-    using B = xsimd::batch<T, A>;
-    constexpr bool f32 = std::is_same_v<T, float>, f64 = std::is_same_v<T, double>;
+/// -O1 build then rounds differently from a -O3 one). These call the FMA instructions themselves;
+/// one macro writes both, `insn` naming the instruction (fmadd, fmsub).
 #if defined(__AVX512F__)
-    if constexpr (sizeof(B) == 64 && f32) return B(_mm512_fmadd_ps(x, y, z));
-    if constexpr (sizeof(B) == 64 && f64) return B(_mm512_fmadd_pd(x, y, z));
+#define MNEMO_SIMD_FUSED_512(insn)                                                                              \
+    if constexpr (sizeof(B) == 64 && f32) return B(_mm512_##insn##_ps(x, y, z));                               \
+    if constexpr (sizeof(B) == 64 && f64) return B(_mm512_##insn##_pd(x, y, z));
+#else
+#define MNEMO_SIMD_FUSED_512(insn)
 #endif
 #if defined(__FMA__)
-    if constexpr (sizeof(B) == 32 && f32) return B(_mm256_fmadd_ps(x, y, z));
-    if constexpr (sizeof(B) == 32 && f64) return B(_mm256_fmadd_pd(x, y, z));
-    if constexpr (sizeof(B) == 16 && f32) return B(_mm_fmadd_ps(x, y, z));
-    if constexpr (sizeof(B) == 16 && f64) return B(_mm_fmadd_pd(x, y, z));
+#define MNEMO_SIMD_FUSED_256(insn)                                                                              \
+    if constexpr (sizeof(B) == 32 && f32) return B(_mm256_##insn##_ps(x, y, z));                               \
+    if constexpr (sizeof(B) == 32 && f64) return B(_mm256_##insn##_pd(x, y, z));                               \
+    if constexpr (sizeof(B) == 16 && f32) return B(_mm_##insn##_ps(x, y, z));                                  \
+    if constexpr (sizeof(B) == 16 && f64) return B(_mm_##insn##_pd(x, y, z));
+#else
+#define MNEMO_SIMD_FUSED_256(insn)
 #endif
-    return xsimd::fma(x, y, z);
-}
-template <class T, class A>
-inline xsimd::batch<T, A> fms(const xsimd::batch<T, A>& x, const xsimd::batch<T, A>& y, const xsimd::batch<T, A>& z) {
-    using B = xsimd::batch<T, A>;
-    constexpr bool f32 = std::is_same_v<T, float>, f64 = std::is_same_v<T, double>;
-#if defined(__AVX512F__)
-    if constexpr (sizeof(B) == 64 && f32) return B(_mm512_fmsub_ps(x, y, z));
-    if constexpr (sizeof(B) == 64 && f64) return B(_mm512_fmsub_pd(x, y, z));
-#endif
-#if defined(__FMA__)
-    if constexpr (sizeof(B) == 32 && f32) return B(_mm256_fmsub_ps(x, y, z));
-    if constexpr (sizeof(B) == 32 && f64) return B(_mm256_fmsub_pd(x, y, z));
-    if constexpr (sizeof(B) == 16 && f32) return B(_mm_fmsub_ps(x, y, z));
-    if constexpr (sizeof(B) == 16 && f64) return B(_mm_fmsub_pd(x, y, z));
-#endif
-    return xsimd::fms(x, y, z);
-}
+#define MNEMO_SIMD_FUSED(name, insn)                                                                           \
+    template <class T, class A>                                                                                \
+    inline xsimd::batch<T, A> name(const xsimd::batch<T, A>& x, const xsimd::batch<T, A>& y,                   \
+                                   const xsimd::batch<T, A>& z) {                                              \
+        using B [[maybe_unused]] = xsimd::batch<T, A>;                                                         \
+        [[maybe_unused]] constexpr bool f32 = std::is_same_v<T, float>, f64 = std::is_same_v<T, double>;      \
+        MNEMO_SIMD_FUSED_512(insn)                                                                             \
+        MNEMO_SIMD_FUSED_256(insn)                                                                             \
+        return xsimd::name(x, y, z);                                                                           \
+    }
+MNEMO_SIMD_FUSED(fma, fmadd)
+MNEMO_SIMD_FUSED(fms, fmsub)
+#undef MNEMO_SIMD_FUSED
+#undef MNEMO_SIMD_FUSED_256
+#undef MNEMO_SIMD_FUSED_512
 /// xsimd's hadd, except for 8 doubles: there g++ 12 warns, wherever it is inlined into user code,
 /// about the undefined vector inside _mm512_extractf64x4_pd; the lanes are summed here in hadd's
 /// own order instead (hi + lo halves, then (0 + 2) + (1 + 3)), so the result is the same.
