@@ -199,11 +199,12 @@ void check_elementwise(std::uint64_t seed) {
     CHECK(max_ok);
     CHECK(select_ok);
     CHECK(worst_exp <= 2);
-    // Measured: float 6 ulp on AVX2 and SSE4.2, 9 on AVX-512 (an Emerald Rapids Xeon; xsimd 8.1's
-    // avx512 erfc rounds differently); double about 3·10^4 ulp (7e-12 relative: xsimd 8.1's double
-    // erfc is a float-grade fit, still far inside every double test's tolerance). GELU is its user:
-    // 12 ulp is 1.4e-6 relative.
-    CHECK(worst_erfc <= (sizeof(T) == 4 ? 12 : 1e5));
+    // Measured: float 6 ulp on AVX2 and SSE4.2 (bound 8); 9 on AVX-512 (an Emerald Rapids Xeon, -O3 and
+    // -O1 alike: xsimd 8.1's erfc on avx512 rounds differently; bound 9); double about 3·10^4 ulp
+    // (7e-12 relative: xsimd 8.1's double erfc is a float-grade fit, still far inside every double
+    // test's tolerance). GELU is its user: 9 ulp is 1.1e-6 relative.
+    const double erfc_bound = sizeof(T) == 8 ? 1e5 : sizeof(B) == 64 ? 9 : 8;
+    CHECK(worst_erfc <= erfc_bound);
     // exp at the ends of its range and beyond: softmax relies on exp(−large) = 0 and exp(0) = 1.
     alignas(64) T edge[W], got[W];
     const T lows[] = {T(0), T(-exp_arg * 1.2), T(-std::numeric_limits<T>::infinity())};
