@@ -51,7 +51,9 @@ imports torch, so that torch gets OpenBLAS's OpenMP build whatever the system's 
 and prints the BLAS library the process actually mapped.
 """
 import argparse
+import ctypes
 import datetime
+import gc
 import json
 import os
 import platform
@@ -520,7 +522,20 @@ def pytorch_feedback(torch, fb, name, s, args, log, skipped):
     return out
 
 
+def release_memory():
+    """Returns what earlier rows freed to the system: collects Python's cycles, then asks glibc to
+    give back its free heap pages (malloc_trim). PyTorch's CPU tensors come from malloc, and glibc
+    keeps freed blocks for reuse, so without this an earlier model's memory would still count as
+    used when a later row checks what it can allocate."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def mem_available():
+    release_memory()
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -857,6 +872,7 @@ def main(argv=None):
             for k, v in r.items():
                 pt[f"fb/{k}"] = v
     if not args.skip_mnemo:
+        release_memory()  # PyTorch's freed tensors back to the system before mnemo's binaries run
         log("mnemo measurements (after PyTorch's, never concurrently)")
         mn, ctx, notes = mnemo_measurements(args, log)
         setup["mnemo_context"] = ctx
