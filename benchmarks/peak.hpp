@@ -40,14 +40,32 @@ inline double run_peak(int threads, std::int64_t iters) {
     return 2.0 * 12 * mnemo::simd::width<float> * static_cast<double>(iters) * threads / seconds / 1e9;
 }
 
-/// The peak for a thread count, measured once per process (best of five short runs).
+/// The peak for a thread count: the higher of `threads` threads measured together and `threads` times
+/// one thread measured alone, and the highest of this process's measurements. A measurement is five
+/// discarded warm-up runs (the first runs after an idle spell come in at a half or less while the
+/// threads start and the vCPUs wake), then the best of eight. These VMs sometimes run both vCPUs on
+/// one physical core for a few seconds after an idle spell: two threads together then reach half the
+/// peak, with no steal time reported, while one thread alone still reaches its full rate. Reporting
+/// against the threads' combined full rate keeps every fraction against the machine's two cores,
+/// never inflated by such a spell. The measurement is repeated when two seconds have passed since the
+/// last one.
 inline double peak_gflops(int threads) {
-    static std::map<int, double> cache;
+    using clock = std::chrono::steady_clock;
+    struct measured { double gflops; clock::time_point at; };
+    static std::map<int, measured> cache;
     auto it = cache.find(threads);
-    if (it != cache.end()) return it->second;
-    double best = 0;
-    for (int i = 0; i < 5; ++i) best = std::max(best, run_peak(threads, 4'000'000));
-    return cache[threads] = best;
+    if (it != cache.end() && clock::now() - it->second.at < std::chrono::seconds(2)) return it->second.gflops;
+    auto best_of = [](int t) {
+        for (int i = 0; i < 5; ++i) run_peak(t, 4'000'000);
+        double best = 0;
+        for (int i = 0; i < 8; ++i) best = std::max(best, run_peak(t, 4'000'000));
+        return best;
+    };
+    double best = best_of(threads);
+    if (threads > 1) best = std::max(best, threads * best_of(1));
+    if (it != cache.end()) best = std::max(best, it->second.gflops);
+    cache[threads] = {best, clock::now()};
+    return best;
 }
 
 /// Bytes of the read-bandwidth buffer: 512 MiB, far past any last-level cache these machines have
@@ -93,16 +111,22 @@ inline double run_read(int threads) {
     return double(share * std::size_t(threads) * sizeof(float)) / seconds / 1e9;
 }
 
-/// The read bandwidth for a thread count in GB/s, measured once per process (best of five passes,
-/// after one pass that brings the pages in).
+/// The highest of this process's measurements of the read bandwidth for a thread count in GB/s. A
+/// measurement is one pass that brings the pages in, then the best of five; it is repeated, as the
+/// peak's is, when two seconds have passed since the last one.
 inline double read_bandwidth_gbs(int threads) {
-    static std::map<int, double> cache;
+    using clock = std::chrono::steady_clock;
+    struct measured { double gbs; clock::time_point at; };
+    static std::map<int, measured> cache;
+    const auto now = clock::now();
     auto it = cache.find(threads);
-    if (it != cache.end()) return it->second;
+    if (it != cache.end() && now - it->second.at < std::chrono::seconds(2)) return it->second.gbs;
     run_read(threads);
     double best = 0;
     for (int i = 0; i < 5; ++i) best = std::max(best, run_read(threads));
-    return cache[threads] = best;
+    if (it != cache.end()) best = std::max(best, it->second.gbs);
+    cache[threads] = {best, clock::now()};
+    return best;
 }
 
 }  // namespace mnemo_bench
