@@ -57,7 +57,8 @@
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define MNEMO_PACKED_GEMM 1
-#include <immintrin.h>
+#include "simd.hpp"  // first: the intrinsics' headers (<immintrin.h>) are read in its diagnostic region
+
 #include <omp.h>
 
 #include <Eigen/Core>
@@ -65,10 +66,8 @@
 #include <atomic>
 #include <memory>
 #include <vector>
-#include <xsimd/xsimd.hpp>
 
 #include "../../core/shape.hpp"
-#include "simd.hpp"
 
 namespace mnemo::cpu_kernels {
 
