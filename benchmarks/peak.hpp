@@ -40,6 +40,22 @@ inline double run_peak(int threads, std::int64_t iters) {
     return 2.0 * 12 * mnemo::simd::width<float> * static_cast<double>(iters) * threads / seconds / 1e9;
 }
 
+/// A machine limit per thread count that a process keeps: the highest of its measurements, measured
+/// again (`measure(threads)`) when two seconds have passed since the last one, so that a long run
+/// sees the limit it can reach, not one read in a slow moment at its start.
+template <class Measure>
+double highest_measured(int threads, Measure measure) {
+    using clock = std::chrono::steady_clock;
+    struct measured { double value; clock::time_point at; };
+    static std::map<int, measured> cache;  // one per Measure: each limit has its own
+    auto it = cache.find(threads);
+    if (it != cache.end() && clock::now() - it->second.at < std::chrono::seconds(2)) return it->second.value;
+    double best = measure(threads);
+    if (it != cache.end()) best = std::max(best, it->second.value);
+    cache[threads] = {best, clock::now()};
+    return best;
+}
+
 /// The peak for a thread count: the higher of `threads` threads measured together and `threads` times
 /// one thread measured alone, and the highest of this process's measurements. A measurement is five
 /// discarded warm-up runs (the first runs after an idle spell come in at a half or less while the
@@ -47,25 +63,17 @@ inline double run_peak(int threads, std::int64_t iters) {
 /// one physical core for a few seconds after an idle spell: two threads together then reach half the
 /// peak, with no steal time reported, while one thread alone still reaches its full rate. Reporting
 /// against the threads' combined full rate keeps every fraction against the machine's two cores,
-/// never inflated by such a spell. The measurement is repeated when two seconds have passed since the
-/// last one.
+/// never inflated by such a spell. Kept and re-measured by highest_measured.
 inline double peak_gflops(int threads) {
-    using clock = std::chrono::steady_clock;
-    struct measured { double gflops; clock::time_point at; };
-    static std::map<int, measured> cache;
-    auto it = cache.find(threads);
-    if (it != cache.end() && clock::now() - it->second.at < std::chrono::seconds(2)) return it->second.gflops;
-    auto best_of = [](int t) {
-        for (int i = 0; i < 5; ++i) run_peak(t, 4'000'000);
-        double best = 0;
-        for (int i = 0; i < 8; ++i) best = std::max(best, run_peak(t, 4'000'000));
-        return best;
-    };
-    double best = best_of(threads);
-    if (threads > 1) best = std::max(best, threads * best_of(1));
-    if (it != cache.end()) best = std::max(best, it->second.gflops);
-    cache[threads] = {best, clock::now()};
-    return best;
+    return highest_measured(threads, [](int t) {
+        auto best_of = [](int n) {
+            for (int i = 0; i < 5; ++i) run_peak(n, 4'000'000);
+            double best = 0;
+            for (int i = 0; i < 8; ++i) best = std::max(best, run_peak(n, 4'000'000));
+            return best;
+        };
+        return t > 1 ? std::max(best_of(t), t * best_of(1)) : best_of(1);
+    });
 }
 
 /// Bytes of the read-bandwidth buffer: 512 MiB, far past any last-level cache these machines have
@@ -111,22 +119,15 @@ inline double run_read(int threads) {
     return double(share * std::size_t(threads) * sizeof(float)) / seconds / 1e9;
 }
 
-/// The highest of this process's measurements of the read bandwidth for a thread count in GB/s. A
-/// measurement is one pass that brings the pages in, then the best of five; it is repeated, as the
-/// peak's is, when two seconds have passed since the last one.
+/// The read bandwidth for a thread count in GB/s: one pass that brings the pages in, then the best of
+/// five; kept and re-measured by highest_measured.
 inline double read_bandwidth_gbs(int threads) {
-    using clock = std::chrono::steady_clock;
-    struct measured { double gbs; clock::time_point at; };
-    static std::map<int, measured> cache;
-    const auto now = clock::now();
-    auto it = cache.find(threads);
-    if (it != cache.end() && now - it->second.at < std::chrono::seconds(2)) return it->second.gbs;
-    run_read(threads);
-    double best = 0;
-    for (int i = 0; i < 5; ++i) best = std::max(best, run_read(threads));
-    if (it != cache.end()) best = std::max(best, it->second.gbs);
-    cache[threads] = {best, clock::now()};
-    return best;
+    return highest_measured(threads, [](int t) {
+        run_read(t);
+        double best = 0;
+        for (int i = 0; i < 5; ++i) best = std::max(best, run_read(t));
+        return best;
+    });
 }
 
 }  // namespace mnemo_bench
