@@ -1,7 +1,10 @@
 #pragma once
 // Small row-wise helpers: bias broadcast, column sums (bias gradients), adds and copies.
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <span>
+#include <type_traits>
 
 #include "parallel.hpp"
 #include "../../core/shape.hpp"
@@ -119,6 +122,40 @@ struct elementwise {
             }
         }
         });
+    }
+
+    /// y[0, n) = x[0, n) on the calling thread, for a block written now and read again much later
+    /// (the attention weights forward keeps for backward). With `stream`, float on x86 with AVX,
+    /// y's whole 64-byte lines are written with non-temporal stores: they go to memory without
+    /// first reading the lines they replace into the caches, and without evicting the cache's
+    /// working set (on the Emerald Rapids VM a cache miss to write costs as much as one to read).
+    /// Call copy_fence() before another thread reads y. A copy: the bits are x's either way.
+    template <class T>
+    static void copy_block(index_t n, const T* x, T* y, bool stream) {
+        index_t j = 0;
+#if defined(__AVX__) && (defined(__x86_64__) || defined(__i386__))
+        if constexpr (std::is_same_v<T, float>) {
+            if (stream) {
+                for (; j < n && reinterpret_cast<std::uintptr_t>(y + j) % 64 != 0; ++j) y[j] = x[j];
+#ifdef __AVX512F__
+                for (; j + 16 <= n; j += 16) _mm512_stream_ps(y + j, _mm512_loadu_ps(x + j));
+#else
+                for (; j + 16 <= n; j += 16) {
+                    _mm256_stream_ps(y + j, _mm256_loadu_ps(x + j));
+                    _mm256_stream_ps(y + j + 8, _mm256_loadu_ps(x + j + 8));
+                }
+#endif
+            }
+        }
+#endif
+        if (j < n) std::memcpy(y + j, x + j, sizeof(T) * std::size_t(n - j));
+    }
+    /// Orders this thread's copy_block stores before what follows (non-temporal stores are not
+    /// ordered by x86's usual rules).
+    static void copy_fence() {
+#if defined(__AVX__) && (defined(__x86_64__) || defined(__i386__))
+        _mm_sfence();
+#endif
     }
 
     /// y[i, :] = s · x[i, :]   (in place when y == x)
