@@ -501,6 +501,20 @@ TEST_CASE("elementwise: bias add and column sums") {
     check_close("sum_rows_accumulate", db, rdb, 1e-14, 1e-14);
 }
 
+TEST_CASE("elementwise: copy_block copies every element, streamed or not, from any alignment") {
+    const auto x = random_vector<float>(300, 5);
+    for (bool stream : {false, true})
+        for (index_t offset : {0, 1, 7, 15, 16})
+            for (index_t n : {0, 1, 15, 16, 17, 40, 255}) {
+                INFO("stream=" << stream << " offset=" << offset << " n=" << n);
+                std::vector<float> y(300, -1.0f);
+                K::copy_block(n, x.data() + 3, y.data() + offset, stream);
+                K::copy_fence();
+                for (index_t i = 0; i < index_t(y.size()); ++i)
+                    CHECK(y[std::size_t(i)] == (i >= offset && i < offset + n ? x[std::size_t(i - offset + 3)] : -1.0f));
+            }
+}
+
 TEST_CASE("scale_by_count: x times numerator / (count · per_count), zero for a count of 0") {
     const std::vector<float> x0 = random_vector<float>(37, 3);
     std::vector<float> x = x0;

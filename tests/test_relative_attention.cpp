@@ -172,15 +172,21 @@ TEST_CASE("relative_attention: backward matches finite differences") {
   }
 }
 
-// The positional terms are computed per block of query positions, each over its band of the window
-// (about 128 rows of [Q·B, W] a block): with 32 batch elements a block is 4 positions, so Q = 9 runs
-// three blocks, the last of one position. Forward against the formula (with distances clamped) and
-// backward against finite differences, on both memory routes.
+// The positional terms are computed per block of query positions, each over its band of the window:
+// for all heads at once, about 128 rows of [Q·B, W] a block (with 32 batch elements a block is 4
+// positions, so Q = 9 runs three blocks, the last of one position), or with 16 queries or more over
+// projected keys, head by head in blocks of at most 36 positions (Q = 40: two blocks of 20). Forward
+// against the formula (with distances clamped) and backward against finite differences, on both
+// memory routes.
 TEST_CASE("relative_attention: positional terms over several blocks of query positions, with clamp_len") {
-    const index_t mem = 3, Q = 9, Kn = mem + Q, B = 32, P = 16;
+    struct shape {
+        index_t mem, Q, B, P;
+    };
+    for (const shape sh : {shape{3, 9, 32, 16}, shape{5, 40, 2, 48}})
     for (auto mode : modes)
     for (index_t clamp : {0, 5}) {
-        INFO("absorbed=" << (mode == mnemo::memory_attention::absorbed) << " clamp_len=" << clamp);
+        const index_t mem = sh.mem, Q = sh.Q, Kn = mem + Q, B = sh.B, P = sh.P;
+        INFO("Q=" << Q << " absorbed=" << (mode == mnemo::memory_attention::absorbed) << " clamp_len=" << clamp);
         mnemo::parameter_set<double> ps;
         mnemo::relative_attention<double, cfg> attn(ps, "self_attn", P);
         ps.allocate();

@@ -50,10 +50,11 @@ public:
         const bool absorb = s.absorbed;
         // q·R over the window of table rows [P − K, P + Q) into pos[h] [Q·B, W], per head and block of
         // query positions over the block's band of columns only (pos_band). (One query position over
-        // projected keys: one_query_forward computes it with the content scores.)
+        // projected keys: one_query_forward computes it with the content scores; with pos_in_head(),
+        // each head computes its own rows in its score block.)
         T* pos = s.pos;
-        const bool one_query = q_len_ == 1 && !absorb;
-        if (!one_query)
+        const bool one_query = q_len_ == 1 && !absorb, fused_pos = pos_in_head();
+        if (!one_query && !fused_pos)
             for_each_head(qb * w * Dk, [&](index_t h) {
                 for_each_pos_block([&](index_t i0, index_t i1, index_t lo) {
                     const index_t r0 = i0 * batch_;
@@ -74,16 +75,15 @@ public:
         // positional terms, the masked softmax, and the context from the keys' values from c0 on.
         const index_t c0 = absorb ? mem : 0;
         // The positional terms and the masked softmax of (batch element b, head h), over its content
-        // scores a [Q, K].
-        auto finish_scores = [&](index_t b, index_t h, T* a) {
-            const T* ph = pos + h * qb * w;
+        // scores a [Q, K]; p: its q·R over the window, query i's row at p + i·ldp.
+        auto finish_scores = [&](index_t b, index_t h, T* a, const T* p, index_t ldp) {
             for (index_t i = 0; i < q_len_; ++i) {
-                const T* pi = ph + (i * batch_ + b) * w + q_len_ - i;  // column Q + j − i at j = 0
+                const T* pi = p + i * ldp + q_len_ - i;  // column Q + j − i at j = 0
                 const T* si = s_h + h * w + q_len_ - i;  // the same window column
                 T* ai = a + i * k_len_;
                 const index_t visible = mem + i + 1, j0 = clamped(i);
                 if (j0 > 0) {  // δ > clamp_len: the window column and S row of distance clamp_len
-                    const T pc = ph[(i * batch_ + b) * w + k_len_ - clamp_len_], sc = s_h[h * w + k_len_ - clamp_len_];
+                    const T pc = p[i * ldp + k_len_ - clamp_len_], sc = s_h[h * w + k_len_ - clamp_len_];
                     for (index_t j = 0; j < j0; ++j) ai[j] = scale * (ai[j] + pc + sc);
                 }
 #pragma omp simd
@@ -96,24 +96,37 @@ public:
             }
             K::softmax_forward(q_len_, k_len_, a, k_len_, a, k_len_, T(1), mask);
         };
+        // (b, h)'s q·R rows in pos (one_query_forward's layout too: [B, W] per head).
+        auto finish_from_pos = [&](index_t b, index_t h, T* a) { finish_scores(b, h, a, pos + h * qb * w + b * w, ld_pos()); };
         // Query i sees the keys up to M + i: the products skip the segment's future keys. a: the
-        // head's [Q, K] block.
+        // head's [Q, K] block, followed (fused_pos) by room for its q·R rows [Q, W].
         const causal_keys band{mem - c0};
         auto head = [&](index_t b, index_t h, T* a) {
             const index_t off = b * D + h * Dk, kv_off = c0 * ldkv + b * 2 * D + h * Dk;
             heads::gemm_nt(index_t(Dk), q_len_, k_len_ - c0, s.qu + off, ld, kv + kv_off, ldkv, a + c0, k_len_, band);
-            finish_scores(b, h, a);
+            if (fused_pos) {
+                T* p = a + score_rows_size();
+                const index_t step = head_pos_block();
+                for (index_t i0 = 0; i0 < q_len_; i0 += step) {
+                    const index_t i1 = std::min(q_len_, i0 + step), lo = pos_band(i1);
+                    heads::gemm_nt(index_t(Dk), i1 - i0, k_len_ + 1 - lo, s.q + i0 * ld + off, ld, s.r_win + lo * D + h * Dk, D,
+                                   p + i0 * w + lo, w);
+                }
+                finish_scores(b, h, a, p, w);
+            } else {
+                finish_from_pos(b, h, a);
+            }
             heads::gemm_nn(index_t(Dk), q_len_, k_len_ - c0, a + c0, k_len_, kv + kv_off + D, ldkv, s.ctx + off, ld, T(0),
                            band);
         };
         if (one_query) {
-            one_query_forward(s.q, s.qu, s.r_win, kv, pos, attn, s.ctx, finish_scores);
+            one_query_forward(s.q, s.qu, s.r_win, kv, pos, attn, s.ctx, finish_from_pos);
         } else if (!absorb) {
             // Each head in this thread's score block, then its weights copied to s.attn for backward.
             const index_t block = q_len_ * k_len_;
             const bool stream = stream_weights();
             parallel_range(batch_ * H, worth_threads(), [&](index_t bh_begin, index_t bh_end) {
-                T* a = score_block(block);
+                T* a = score_block(score_rows_size() + (fused_pos ? q_len_ * w : 0));
                 for (index_t bh = bh_begin; bh < bh_end; ++bh) {
                     head(bh / H, bh % H, a);
                     K::copy_block(block, a, attn + bh * block, stream);
@@ -175,7 +188,7 @@ public:
         };
         if (!absorb) {  // d scores in this thread's score block: only d_pos keeps them
             parallel_range(batch_ * H, worth_threads(), [&](index_t bh_begin, index_t bh_end) {
-                T* ds = score_block(q_len_ * k_len_);
+                T* ds = score_block(score_rows_size());
                 for (index_t bh = bh_begin; bh < bh_end; ++bh) head(bh / H, bh % H, ds);
             });
         } else {  // the memory's columns of d scores are in s.d_scores already
@@ -221,6 +234,26 @@ private:
     /// DRAM anyway, and the caches keep the working set instead.
     bool stream_weights() const {
         return double(batch_) * double(H) * double(q_len_) * double(k_len_) * sizeof(T) >= double(1 << 22);
+    }
+    /// A head's [Q, K] scores in its score block, rounded up to whole 64-byte lines (its q·R rows follow).
+    index_t score_rows_size() const { return (q_len_ * k_len_ + 15) / 16 * 16; }
+    /// Row stride of pos [H, Q·B, W] (query i of batch element b at row i·B + b).
+    index_t ld_pos() const { return batch_ * window(); }
+    /// Whether forward computes each head's positional scores q·R in its score block (head by head,
+    /// then read there by the positional terms) instead of into pos for all heads first: over
+    /// projected keys with 16 or more queries, so that a head's blocks of queries (head_pos_block)
+    /// take the per-head products' register tiles. Backward does not read forward's pos: its d_pos
+    /// overwrites it. pos is [H, Q·B, W] (16.8 MB a layer in configuration B), written by one pass
+    /// and read back by the next, each line fetched from L3 or DRAM; a head's rows (256 KB in B)
+    /// stay in L2. The bands of columns are those of pos's blocks.
+    bool pos_in_head() const { return !s.absorbed && q_len_ >= 16; }
+    /// Query positions per positional product of one head: Q in equal blocks of at most 36, so at
+    /// least 16 (the register tiles' route; a remainder of a few rows would take the general
+    /// GEMM). A block reads the band of its last query, so a taller one computes more columns no
+    /// query reads (half the block's height a row on average).
+    index_t head_pos_block() const {
+        const index_t blocks = (q_len_ + 35) / 36;
+        return (q_len_ + blocks - 1) / blocks;
     }
 
     /// The per-(batch, head) loops go to threads when they hold enough work: about 64K multiply-adds
