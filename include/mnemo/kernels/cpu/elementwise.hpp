@@ -127,9 +127,9 @@ struct elementwise {
     /// y[0, n) = x[0, n) on the calling thread, for a block written now and read again much later
     /// (the attention weights forward keeps for backward). With `stream`, float on x86 with AVX,
     /// y's whole 64-byte lines are written with non-temporal stores: they go to memory without
-    /// first reading the lines they replace into the caches, and without evicting the cache's
-    /// working set (on the Emerald Rapids VM a cache miss to write costs as much as one to read).
-    /// Call copy_fence() before another thread reads y. A copy: the bits are x's either way.
+    /// first reading the lines they replace into the caches, and without evicting the caches'
+    /// working set. Call copy_fence() before another thread reads y. A copy: the bits are x's
+    /// either way.
     template <class T>
     static void copy_block(index_t n, const T* x, T* y, bool stream) {
         index_t j = 0;

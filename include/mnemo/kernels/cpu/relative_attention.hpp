@@ -220,10 +220,12 @@ private:
 
     /// This thread's block for one (batch element, head) over projected keys, at least n floats: a
     /// head's scores, softmax and context (forward) or its d scores (backward) run there, in the
-    /// core's L2, and forward then copies the weights to s.attn. Writing them straight into s.attn
-    /// (B's are 12.6 MB a layer) made every product that wrote them wait for lines fetched from L3
-    /// or DRAM: on the Emerald Rapids VM, B's 64 score products in turn ran at 0.45 of the peak
-    /// against 0.78 for one block kept hot. Grown once, kept: a steady-state call allocates nothing.
+    /// core's L2, and forward then copies the weights to s.attn. Written straight into s.attn
+    /// (12.6 MB a layer in configuration B), each product's output lines came from L3 or DRAM: B's
+    /// 64 score products in turn ran at 0.45 of the peak against 0.78 for one head's block kept hot
+    /// (BM_head_products/nt, one thread, Emerald Rapids VM), and B's training step took 6-10% longer
+    /// than with this block (docs/performance.md). Grown once, kept: a steady-state call allocates
+    /// nothing.
     static T* score_block(index_t n) {
         thread_local std::vector<T, Eigen::aligned_allocator<T>> block;
         if (block.size() < std::size_t(n)) block.resize(std::size_t(n));
