@@ -64,7 +64,9 @@ struct relative_attention_state {
     frozen_key_rows<T> hat;
 
     // Saved by forward (read by backward).
-    T* pos = nullptr;   // [H, Q·B, W]: q·R over the window; backward's d_pos
+    // [H, Q·B, W]: q·R over the window (a backend may keep a head's rows elsewhere within forward:
+    // the CPU's projected route with Q >= 16 does); backward's d_pos
+    T* pos = nullptr;
     T* attn = nullptr;  // [B, H, Q, K] attention weights
     T* ctx = nullptr;   // [Q·B, D] context
     // Absorbed route, [H·Q, B, D] each: the queries with W_k folded in, q̃ = (q+u)_h·W_k,h (scores are
@@ -76,7 +78,7 @@ struct relative_attention_state {
 
     // Backward.
     const T* d_ctx = nullptr;  // [Q·B, D]
-    T* d_scores = nullptr;     // [B, H, Q, K]
+    T* d_scores = nullptr;     // [B, H, Q, K] scratch (the CPU kernels use it on the absorbed route only)
     T* dqu = nullptr;          // [Q·B, D] d(q+u), assigned
     T* dq = nullptr;           // [Q·B, D] dq's positional part, assigned
     T* dkv = nullptr;          // [K·B, 2D] [dk, dv], assigned over the projected rows
