@@ -223,8 +223,8 @@ private:
     /// core's L2, and forward then copies the weights to s.attn. Written straight into s.attn
     /// (12.6 MB a layer in configuration B), each product's output lines came from L3 or DRAM: B's
     /// 64 score products in turn ran at 0.45 of the peak against 0.78 for one head's block kept hot
-    /// (BM_head_products/nt, one thread, Emerald Rapids VM), and B's training step took 6-10% longer
-    /// than with this block (docs/performance.md). Grown once, kept: a steady-state call allocates
+    /// (BM_head_products/nt, one thread, Emerald Rapids VM), and B's training step on 2 threads
+    /// took 6-10% longer than with this block (docs/performance.md). Grown once, kept: a steady-state call allocates
     /// nothing.
     static T* score_block(index_t n) {
         thread_local std::vector<T, Eigen::aligned_allocator<T>> block;
