@@ -56,7 +56,7 @@ public:
         const bool one_query = q_len_ == 1 && !absorb, fused_pos = pos_in_head();
         if (!one_query && !fused_pos)
             for_each_head(qb * w * Dk, [&](index_t h) {
-                for_each_pos_block([&](index_t i0, index_t i1, index_t lo) {
+                for_each_pos_block(pos_block(), [&](index_t i0, index_t i1, index_t lo) {
                     const index_t r0 = i0 * batch_;
                     heads::gemm_nt(index_t(Dk), (i1 - i0) * batch_, k_len_ + 1 - lo, s.q + r0 * D + h * Dk, D,
                                    s.r_win + lo * D + h * Dk, D, pos + h * qb * w + r0 * w + lo, w);
@@ -106,12 +106,10 @@ public:
             heads::gemm_nt(index_t(Dk), q_len_, k_len_ - c0, s.qu + off, ld, kv + kv_off, ldkv, a + c0, k_len_, band);
             if (fused_pos) {
                 T* p = a + score_rows_size();
-                const index_t step = head_pos_block();
-                for (index_t i0 = 0; i0 < q_len_; i0 += step) {
-                    const index_t i1 = std::min(q_len_, i0 + step), lo = pos_band(i1);
+                for_each_pos_block(head_pos_block(), [&](index_t i0, index_t i1, index_t lo) {
                     heads::gemm_nt(index_t(Dk), i1 - i0, k_len_ + 1 - lo, s.q + i0 * ld + off, ld, s.r_win + lo * D + h * Dk, D,
                                    p + i0 * w + lo, w);
-                }
+                });
                 finish_scores(b, h, a, p, w);
             } else {
                 finish_from_pos(b, h, a);
@@ -204,7 +202,7 @@ public:
             const T* ph = d_pos + h * qb * w;
             T* col = cols + h * w;
             for (index_t c = 0; c < w; ++c) col[c] = T(0);
-            for_each_pos_block([&](index_t i0, index_t i1, index_t lo) {
+            for_each_pos_block(pos_block(), [&](index_t i0, index_t i1, index_t lo) {
                 const index_t r0 = i0 * batch_, rows = (i1 - i0) * batch_, n = k_len_ + 1 - lo;
                 const T* pb = ph + r0 * w + lo;
                 heads::gemm_nn(index_t(Dk), rows, n, pb, w, r_win + lo * D + h * Dk, D, s.dq + r0 * D + h * Dk, D);
@@ -224,8 +222,8 @@ private:
     /// (12.6 MB a layer in configuration B), each product's output lines came from L3 or DRAM: B's
     /// 64 score products in turn ran at 0.45 of the peak against 0.78 for one head's block kept hot
     /// (BM_head_products/nt, one thread, Emerald Rapids VM), and B's training step on 2 threads
-    /// took 6-10% longer than with this block (docs/performance.md). Grown once, kept: a steady-state call allocates
-    /// nothing.
+    /// took 6-10% longer than with this block (docs/performance.md). Grown once, kept: a
+    /// steady-state call allocates nothing.
     static T* score_block(index_t n) {
         thread_local std::vector<T, Eigen::aligned_allocator<T>> block;
         if (block.size() < std::size_t(n)) block.resize(std::size_t(n));
@@ -290,11 +288,12 @@ private:
         const index_t lo = q_len_ - i1 + 1;
         return clamp_len_ > 0 ? std::max(lo, k_len_ - clamp_len_) : lo;
     }
-    /// f(i0, i1, pos_band(i1)) for the blocks of query positions [i0, i1), in order.
+    /// f(i0, i1, pos_band(i1)) for the blocks of `step` query positions [i0, i1), in order
+    /// (pos_block() for the all-heads products, head_pos_block() for one head's).
     template <class F>
-    void for_each_pos_block(F&& f) const {
-        for (index_t i0 = 0; i0 < q_len_; i0 += pos_block()) {
-            const index_t i1 = std::min(q_len_, i0 + pos_block());
+    void for_each_pos_block(index_t step, F&& f) const {
+        for (index_t i0 = 0; i0 < q_len_; i0 += step) {
+            const index_t i1 = std::min(q_len_, i0 + step);
             f(i0, i1, pos_band(i1));
         }
     }
