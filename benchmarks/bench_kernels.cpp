@@ -265,6 +265,87 @@ void model_gemm_shapes(benchmark::internal::Benchmark* b) { model_gemm_shapes_on
 // The Eigen and packed rows also on one thread.
 void model_gemm_shapes_1_2(benchmark::internal::Benchmark* b) { model_gemm_shapes_on(b, {2, 1}); }
 
+// The packed kernel's blocking swept over the 51 large products of B and C as one set (every shape of
+// model_gemm_shapes_on in each form, run once an iteration): the set's GFLOP/s and fraction of the
+// peak for a given (kc, mc, nc, column split) and thread count, so a new microarchitecture's trait
+// (gemm_packed.hpp's packed_tuning) can be measured in one run. The label names the blocking this
+// CPU gets by default. Arguments that are no valid blocking for the build's kernel are skipped with
+// an error naming them. Compare settings interleaved, the VMs drift:
+//   bench_kernels --benchmark_filter=packed_blocking --benchmark_repetitions=5 \
+//                 --benchmark_enable_random_interleaving=true --benchmark_report_aggregates_only=true
+#ifdef MNEMO_PACKED_GEMM
+void BM_packed_blocking(benchmark::State& state) {
+    using GP = mnemo::cpu_kernels::gemm_packed;
+    const mnemo::cpu_kernels::packed_blocking bl{"sweep", state.range(0), state.range(1), state.range(2), state.range(3)};
+    const int threads = static_cast<int>(state.range(4));
+    if (bl.kc <= 0 || bl.kc % GP::lanes != 0 || bl.kc > GP::isa::kc_cap || bl.mc <= 0 || bl.mc % GP::mr != 0 ||
+        bl.nc <= 0 || bl.nc % GP::task_cols != 0 || bl.col_split_rows < 0) {
+        state.SkipWithError(("not a blocking of the " + std::string(GP::isa::name) + " kernel: kc a multiple of " +
+                             std::to_string(GP::lanes) + " up to " + std::to_string(GP::isa::kc_cap) + ", mc of " +
+                             std::to_string(GP::mr) + ", nc of " + std::to_string(GP::task_cols))
+                                .c_str());
+        return;
+    }
+    std::vector<std::array<index_t, 3>> shapes;
+    for (index_t d : {256, 512}) {
+        const index_t ff = 4 * d;
+        for (auto s : {std::array<index_t, 3>{1024, d, d}, {1024, ff, d}, {1024, d, ff}, {3072, 2 * d, d},
+                       {3072, d, 2 * d}, {d, d, 1024}, {ff, d, 1024}, {d, ff, 1024}, {2 * d, d, 3072}})
+            if (std::find(shapes.begin(), shapes.end(), s) == shapes.end()) shapes.push_back(s);
+    }
+    index_t max_mk = 0, max_kn = 0, max_mn = 0;
+    double flops = 0;
+    for (const auto& s : shapes) {
+        max_mk = std::max(max_mk, s[0] * s[2]), max_kn = std::max(max_kn, s[2] * s[1]), max_mn = std::max(max_mn, s[0] * s[1]);
+        flops += 3 * 2.0 * double(s[0]) * double(s[1]) * double(s[2]);
+    }
+    auto a = filled(max_mk, 0.5f), b = filled(max_kn, 0.25f), c = filled(max_mn, 0.0f);
+    omp_set_num_threads(threads);
+    const double peak = peak_gflops(threads);
+    const auto t0 = std::chrono::steady_clock::now();
+    for (auto _ : state) {
+        for (const auto& s : shapes) {
+            const index_t m = s[0], n = s[1], k = s[2];
+            GP::run<GP::form::nn>(m, n, k, a.data(), k, b.data(), n, c.data(), n, 0.0f, 1.0f, threads, bl);
+            GP::run<GP::form::nt>(m, n, k, a.data(), k, b.data(), k, c.data(), n, 0.0f, 1.0f, threads, bl);
+            GP::run<GP::form::tn>(m, n, k, a.data(), m, b.data(), n, c.data(), n, 0.0f, 1.0f, threads, bl);
+        }
+        benchmark::DoNotOptimize(c.data());
+        benchmark::ClobberMemory();
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double gflops = flops * static_cast<double>(state.iterations()) / seconds / 1e9;
+    state.counters["GFLOPs"] = gflops;
+    state.counters["peak_GFLOPs"] = peak;
+    state.counters["peak_frac"] = gflops / peak;
+    state.counters["threads"] = threads;
+    const auto& def = GP::tuning();
+    state.SetLabel(std::string(GP::isa::name) + ", default " + def.measured_on + " kc " + std::to_string(def.kc) + " mc " +
+                   std::to_string(def.mc) + " nc " + std::to_string(def.nc));
+    omp_set_num_threads(omp_get_num_procs());
+}
+
+// The default blocking's neighbours for the build's kernel (kc, mc, nc, column split up to), each on
+// 2 and 1 threads; other values with --benchmark_filter and a rebuild, or by editing this list.
+void packed_blocking_sweep(benchmark::internal::Benchmark* b) {
+    using GP = mnemo::cpu_kernels::gemm_packed;
+    b->ArgNames({"kc", "mc", "nc", "colsplit", "threads"});
+    const index_t r = GP::mr;  // 14 (AVX-512) or 6 (AVX2)
+    const std::vector<std::array<index_t, 4>> settings =
+        GP::lanes == 16 ? std::vector<std::array<index_t, 4>>{{512, 18 * r, 2048, 1024}, {512, 9 * r, 2048, 1024},
+                                                              {512, 36 * r, 2048, 1024}, {384, 27 * r, 2048, 1024},
+                                                              {256, 36 * r, 2048, 1024}, {512, 18 * r, 4096, 1024},
+                                                              {512, 18 * r, 2048, 0}}
+                        : std::vector<std::array<index_t, 4>>{{512, 12 * r, 4096, 1024}, {512, 8 * r, 4096, 1024},
+                                                              {512, 16 * r, 4096, 1024}, {512, 24 * r, 4096, 1024},
+                                                              {512, 42 * r, 4096, 1024}, {384, 16 * r, 4096, 1024},
+                                                              {256, 24 * r, 4096, 1024}, {512, 12 * r, 2048, 1024},
+                                                              {512, 12 * r, 4096, 0}};
+    for (int threads : {2, 1})
+        for (const auto& s : settings) b->Args({s[0], s[1], s[2], s[3], threads});
+}
+#endif
+
 void BM_gemm_model(benchmark::State& state, form f) { BM_gemm(state, f); }
 void BM_gemm_eigen_model(benchmark::State& state, form f) { BM_gemm(state, f, path::eigen); }
 #ifdef MNEMO_PACKED_GEMM
@@ -288,6 +369,9 @@ BENCHMARK_CAPTURE(BM_gemm_eigen_model, tn, tn)->Apply(model_gemm_shapes_1_2)->Us
 BENCHMARK_CAPTURE(BM_gemm_packed_model, nn, nn)->Apply(model_gemm_shapes_1_2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_gemm_packed_model, nt, nt)->Apply(model_gemm_shapes_1_2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_gemm_packed_model, tn, tn)->Apply(model_gemm_shapes_1_2)->UseRealTime()->Unit(benchmark::kMillisecond);
+#endif
+#ifdef MNEMO_PACKED_GEMM
+BENCHMARK(BM_packed_blocking)->Apply(packed_blocking_sweep)->UseRealTime()->Unit(benchmark::kMillisecond);
 #endif
 BENCHMARK_CAPTURE(BM_head_products, nt, nt)->Arg(1)->Arg(64)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_head_products, nn, nn)->Arg(1)->Arg(64)->UseRealTime()->Unit(benchmark::kMillisecond);

@@ -192,7 +192,7 @@ void check_every_tuning(std::initializer_list<mnemo::cpu_kernels::packed_blockin
 TEST_CASE("gemm_packed: every tuning trait of every kernel this build has, on 1 to 3 threads") {
     using namespace mnemo::cpu_kernels;
     using avx2 = packed_tuning<packed_isa_avx2>;
-    check_every_tuning<gemm_packed_t<packed_isa_avx2>, avx2>({avx2::zen2, avx2::other});
+    check_every_tuning<gemm_packed_t<packed_isa_avx2>, avx2>({avx2::zen2, avx2::zen3, avx2::other});
 #ifdef __AVX512F__
     using avx512 = packed_tuning<packed_isa_avx512>;
     check_every_tuning<gemm_packed_t<packed_isa_avx512>, avx512>({avx512::zen5, avx512::zen4, avx512::xeon_spr});
