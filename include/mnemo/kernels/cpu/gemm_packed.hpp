@@ -127,8 +127,10 @@ struct packed_isa_avx2 {
     using reg = __m256;
     static constexpr const char* name = "avx2";
     static constexpr index_t lanes = 8, mr = 6, nv = 2;
-    /// The tile's k loop unrolled 4 times: on a 2-core Zen 3 VM the 51 products' set (2 threads, the
-    /// default blocking, 3 interleaved pairs of runs) went from 0.42-0.64 to 0.68-0.72 of the peak.
+    /// The tile's k loop unrolled 4 times (the same FMAs in the same order). On a 2-core Zen 3 VM,
+    /// the 51 products of B and C as one set (default blocking, 7 interleaved pairs of runs, fraction
+    /// of the peak): 2 threads 0.59-0.66 → 0.68-0.72, 1 thread 0.61-0.79 → 0.68-0.80; the Zen 2
+    /// measurements in the file's head were taken before it.
     static constexpr bool unroll_k = true;
     static constexpr index_t kc_cap = 512;
 
@@ -216,13 +218,11 @@ struct packed_tuning<packed_isa_avx2> {
     static constexpr packed_blocking zen2{"zen2", 512, 72, 4096, 1024};
     // Zen 3 (32 KiB L1d, 512 KiB L2 a core, 32 MiB L3): Zen 2's values, measured on a 2-core Zen 3
     // VM (EPYC family 19h model 01h, peak 96 / 188 GFLOP/s) with bench_kernels' packed_blocking
-    // sweep, the 51 products as one set, medians of 5 and 7 interleaved runs, fraction of the peak,
-    // 2 threads: mc 48 / 72 / 96 / 144 / 252 (kc 512) 0.58-0.62 / 0.58-0.61 / 0.56 / 0.57-0.59 /
-    // 0.57-0.59, nc 2048 0.57, no column split 0.53-0.61, kc 384 (mc 96) 0.55-0.58, kc 256 (mc 144)
-    // 0.50-0.53; 1 thread 0.62-0.74 for every kc-512 setting, kc 256-384 0.55-0.69: none ahead of Zen 2's
-    // values by more than the noise.
-    // The tile kernel itself runs at about 0.75 of the peak there (93% of a 3072×1024×512 product's
-    // samples), against 0.85-0.88 on the Zen 2 VM.
+    // sweep, the 51 products as one set, fraction of the peak, medians of 5 interleaved runs with
+    // the k loop unrolled: 2 threads, kc 512 with mc 48 / 72 / 96 / 144 / 252 0.65 / 0.67 / 0.68 /
+    // 0.66 / 0.67, no column split 0.66, kc 384 (mc 96) 0.59, kc 256 (mc 144) 0.58; 1 thread every
+    // kc-512 setting 0.69-0.73, kc 256-384 0.62-0.64, nc 2048 0.68 (and 0.42 on 2 threads in a noisy
+    // moment). Two sweeps before the unroll gave the same picture, about 0.08 lower.
     static constexpr packed_blocking zen3{"zen3 (zen2's values, measured)", 512, 72, 4096, 1024};
     // Zen 1 and others with AVX2 only: Zen 2's values, not measured on them (Zen 1 has the same L1d
     // and L2; its 256-bit FMAs are split in two, which halves the peak, not the blocking).
