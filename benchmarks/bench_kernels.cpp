@@ -241,32 +241,33 @@ void gemm_shapes(benchmark::internal::Benchmark* b) {
 
 // The large products of a training step of configurations B (d_model 256, d_ff 1024) and C (512,
 // 2048) over 1024 tokens (seq × batch) and 3072 key/value rows (seq + mem + c_mem, × batch), as
-// (m, n, k), on each of `thread_counts`. Each form runs every shape; the ones a step uses are
+// (m, n, k) (model_gemm_shapes_on registers them on each of its thread counts). Each form runs every
+// shape; the ones a step uses are
 //   nt (forward, x·Wᵀ): (1024, d, d) query/output, (3072, 2d, d) keys and values, (1024, d_ff, d),
 //                       (1024, d, d_ff) feed-forward
 //   nn (dX = dY·W):     (1024, d, d), (1024, d, d_ff), (1024, d_ff, d), (3072, d, 2d)
 //   tn (dW = dYᵀ·X):    (d, d, 1024), (d_ff, d, 1024), (d, d_ff, 1024), (2d, d, 3072)
+std::vector<std::array<index_t, 3>> model_gemm_shape_list() {
+    std::vector<std::array<index_t, 3>> shapes;
+    for (index_t d : {256, 512}) {
+        const index_t ff = 4 * d;
+        for (auto s : {std::array<index_t, 3>{1024, d, d}, {1024, ff, d}, {1024, d, ff}, {3072, 2 * d, d},
+                       {3072, d, 2 * d}, {d, d, 1024}, {ff, d, 1024}, {d, ff, 1024}, {2 * d, d, 3072}})
+            if (std::find(shapes.begin(), shapes.end(), s) == shapes.end()) shapes.push_back(s);  // B's (1024, 256, 1024) twice
+    }
+    return shapes;
+}
 void model_gemm_shapes_on(benchmark::internal::Benchmark* b, std::initializer_list<int> thread_counts) {
     b->ArgNames({"m", "n", "k", "threads"});
-    for (int threads : thread_counts) {
-        std::vector<std::array<index_t, 3>> seen;
-        for (index_t d : {256, 512}) {
-            const index_t ff = 4 * d;
-            for (auto s : {std::array<index_t, 3>{1024, d, d}, {1024, ff, d}, {1024, d, ff}, {3072, 2 * d, d},
-                           {3072, d, 2 * d}, {d, d, 1024}, {ff, d, 1024}, {d, ff, 1024}, {2 * d, d, 3072}}) {
-                if (std::find(seen.begin(), seen.end(), s) != seen.end()) continue;  // B's (1024, 256, 1024) twice
-                seen.push_back(s);
-                b->Args({s[0], s[1], s[2], threads});
-            }
-        }
-    }
+    for (int threads : thread_counts)
+        for (const auto& s : model_gemm_shape_list()) b->Args({s[0], s[1], s[2], threads});
 }
 void model_gemm_shapes(benchmark::internal::Benchmark* b) { model_gemm_shapes_on(b, {2}); }
 // The Eigen and packed rows also on one thread.
 void model_gemm_shapes_1_2(benchmark::internal::Benchmark* b) { model_gemm_shapes_on(b, {2, 1}); }
 
 // The packed kernel's blocking swept over the 51 large products of B and C as one set (every shape of
-// model_gemm_shapes_on in each form, run once an iteration): the set's GFLOP/s and fraction of the
+// model_gemm_shape_list in each form, run once an iteration): the set's GFLOP/s and fraction of the
 // peak for a given (kc, mc, nc, column split) and thread count, so a new microarchitecture's trait
 // (gemm_packed.hpp's packed_tuning) can be measured in one run. The label names the blocking this
 // CPU gets by default. Arguments that are no valid blocking for the build's kernel are skipped with
@@ -286,13 +287,7 @@ void BM_packed_blocking(benchmark::State& state) {
                                 .c_str());
         return;
     }
-    std::vector<std::array<index_t, 3>> shapes;
-    for (index_t d : {256, 512}) {
-        const index_t ff = 4 * d;
-        for (auto s : {std::array<index_t, 3>{1024, d, d}, {1024, ff, d}, {1024, d, ff}, {3072, 2 * d, d},
-                       {3072, d, 2 * d}, {d, d, 1024}, {ff, d, 1024}, {d, ff, 1024}, {2 * d, d, 3072}})
-            if (std::find(shapes.begin(), shapes.end(), s) == shapes.end()) shapes.push_back(s);
-    }
+    const auto shapes = model_gemm_shape_list();
     index_t max_mk = 0, max_kn = 0, max_mn = 0;
     double flops = 0;
     for (const auto& s : shapes) {
@@ -369,8 +364,6 @@ BENCHMARK_CAPTURE(BM_gemm_eigen_model, tn, tn)->Apply(model_gemm_shapes_1_2)->Us
 BENCHMARK_CAPTURE(BM_gemm_packed_model, nn, nn)->Apply(model_gemm_shapes_1_2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_gemm_packed_model, nt, nt)->Apply(model_gemm_shapes_1_2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_gemm_packed_model, tn, tn)->Apply(model_gemm_shapes_1_2)->UseRealTime()->Unit(benchmark::kMillisecond);
-#endif
-#ifdef MNEMO_PACKED_GEMM
 BENCHMARK(BM_packed_blocking)->Apply(packed_blocking_sweep)->UseRealTime()->Unit(benchmark::kMillisecond);
 #endif
 BENCHMARK_CAPTURE(BM_head_products, nt, nt)->Arg(1)->Arg(64)->UseRealTime()->Unit(benchmark::kMillisecond);
