@@ -29,7 +29,10 @@ struct gemm_shape {
 };
 // The last two are large enough to be split across threads (rows, then columns).
 const gemm_shape gemm_shapes[] = {{1, 1, 1}, {3, 5, 7}, {17, 33, 9}, {64, 48, 31}, {129, 65, 130}, {5, 0, 3}, {4, 6, 0},
-                                  {257, 190, 64}, {40, 700, 90}};
+                                  {257, 190, 64}, {40, 700, 90},
+                                  // one and two rows (GEMVs): k past whole groups of 4 SIMD widths, a few
+                                  // single widths and a scalar tail, or under one width
+                                  {1, 37, 71}, {2, 19, 45}, {1, 9, 200}, {2, 5, 3}};
 
 // Naive C = beta·C + alpha·op(A)·op(B) with op chosen by flags, in double.
 template <class T>
