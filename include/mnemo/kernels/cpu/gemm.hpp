@@ -47,8 +47,8 @@
 // Debian's libopenblas-openmp-dev; never the pthread build, whose threads fight OpenMP's). Float and
 // double products of at least blas_min_work = 2^24 multiply-adds, 12 or more on every side, go to
 // cblas_sgemm/cblas_dgemm; everything smaller (the per-head attention products such as 8×152×32 or
-// 128×384×32, the one- and two-row GEMVs of generation, other scalar types) keeps the packed or
-// Eigen path, which is also the whole story without the macro. gemm_*_eigen are the Eigen path,
+// 128×384×32, the one- and two-row GEMVs of generation, other scalar types) keeps the packed,
+// row_dots or Eigen path, which is also the whole story without the macro. gemm_*_eigen are the Eigen path,
 // always available. (The packed kernel's numbers above are ahead of OpenBLAS's below; this order
 // is kept so that a BLAS build behaves as before.)
 //   - mnemo still splits the rows of C over the threads (boundaries on multiples of 12 rows, every
