@@ -27,7 +27,7 @@ namespace {
 struct gemm_shape {
     index_t m, n, k;
 };
-// The last two are large enough to be split across threads (rows, then columns).
+// {257, 190, 64} and {40, 700, 90} are large enough to be split across threads (rows, then columns).
 const gemm_shape gemm_shapes[] = {{1, 1, 1}, {3, 5, 7}, {17, 33, 9}, {64, 48, 31}, {129, 65, 130}, {5, 0, 3}, {4, 6, 0},
                                   {257, 190, 64}, {40, 700, 90},
                                   // one and two rows (GEMVs): k past whole groups of 4 SIMD widths, a few
