@@ -5,7 +5,7 @@
 // AVX-512 (the last case below pins that down where it applies).
 //
 //   simd::transpose_add  (heads_dot_rows)  lane i = Σ lanes of batch i, each in halving_sum's order
-//   simd::reduce_add     (xsimd::hadd)     softmax, layer norm, cross-entropy, head_nt
+//   simd::reduce_add     (xsimd::hadd)     softmax, layer norm, cross-entropy, head_nt, gemm::row_dots
 //   simd::reduce_max                       own lane loop
 //   simd::fma / fms                        fused (one rounding, as std::fma) where the target has FMA
 //   xsimd::max / select / comparison       ReLU and its gradient, running maxima
