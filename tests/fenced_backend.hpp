@@ -319,6 +319,7 @@ struct ops<fenced> {
 #undef MNEMO_FENCED_KERNEL
     static constexpr bool absorbs_memory = ops<cpu>::absorbs_memory;
     static constexpr bool defers_weight_decay = ops<cpu>::defers_weight_decay;
+    static constexpr bool scores_grad_scratch = ops<cpu>::scores_grad_scratch;
 };
 
 static_assert(check_kernel_table<fenced>());

@@ -34,9 +34,12 @@
 //                 sum_squares_live, scale_live (kernels/optimizer_state.hpp; the global gradient norm),
 //                 pay_deferred_decay (the deferred weight decay of rows nothing read)
 //
-// Besides the kernels, two constants say what a backend leaves out (MNEMO_KERNEL_TRAITS, checked the same way):
+// Besides the kernels, three constants say what a backend does differently (MNEMO_KERNEL_TRAITS, checked
+// the same way):
 //   absorbs_memory        relative attention may take the absorbed-memory route (nn/attention/relative.hpp)
 //   defers_weight_decay   the decoupled optimizers may defer the decay of cold blocks (core/parameters.hpp)
+//   scores_grad_scratch   relative_attention_backward keeps the projected route's d scores in scratch of
+//                         its own: the module hands it no [B, H, Q, K] buffer (relative_attention_state)
 #include "../core/backend.hpp"
 
 #define MNEMO_KERNELS(X)                                                                                     \
@@ -59,7 +62,7 @@
     X(scale_shift_rows) X(sum_as_double) X(scale_by_count) X(axpy) X(weighted_sum_rows)                    \
     X(adam_step) X(adam_cold_blocks) X(sgd_step) X(sum_squares_live) X(scale_live) X(pay_deferred_decay)
 
-#define MNEMO_KERNEL_TRAITS(X) X(absorbs_memory) X(defers_weight_decay)
+#define MNEMO_KERNEL_TRAITS(X) X(absorbs_memory) X(defers_weight_decay) X(scores_grad_scratch)
 
 namespace mnemo {
 namespace detail::kernel_probe {

@@ -78,7 +78,7 @@ struct relative_attention_state {
 
     // Backward.
     const T* d_ctx = nullptr;  // [Q·B, D]
-    T* d_scores = nullptr;     // [B, H, Q, K] scratch (the CPU kernels use it on the absorbed route only)
+    T* d_scores = nullptr;     // [B, H, Q, K] scratch; null on the projected route of a backend with scores_grad_scratch
     T* dqu = nullptr;          // [Q·B, D] d(q+u), assigned
     T* dq = nullptr;           // [Q·B, D] dq's positional part, assigned
     T* dkv = nullptr;          // [K·B, 2D] [dk, dv], assigned over the projected rows

@@ -41,6 +41,7 @@ struct ops<cpu> : cpu_kernels::gemm,
                   cpu_kernels::optimizer {
     static constexpr bool absorbs_memory = true;       // see kernels/kernel_table.hpp
     static constexpr bool defers_weight_decay = true;
+    static constexpr bool scores_grad_scratch = true;  // a head's d scores in its thread's score block
 };
 
 }  // namespace mnemo

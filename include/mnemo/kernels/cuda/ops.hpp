@@ -10,6 +10,8 @@
 //   defers_weight_decay = false  the optimizers apply the decoupled decay to every element at every
 //                                step (one pass over the flat buffer; the deferral needs per-block
 //                                bookkeeping on the host, which would mean a synchronisation per step)
+//   scores_grad_scratch = false  the attention's backward writes every head's d scores to the
+//                                module's [B, H, Q, K] buffer (one launch over all heads)
 //   parallel_slots(n) = 1, concurrent_pair = false: no host threads; the stream orders everything
 //   the *_direct GEMMs are the ordinary ones (cuBLAS decides)
 #include <cstdint>
@@ -28,6 +30,7 @@ template <>
 struct ops<cuda> {
     static constexpr bool absorbs_memory = false;
     static constexpr bool defers_weight_decay = false;
+    static constexpr bool scores_grad_scratch = false;
 
     // GEMM
     template <class T>

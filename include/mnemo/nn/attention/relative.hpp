@@ -278,7 +278,9 @@ public:
         st.pos = pos_.data();  // d_pos from here on
         st.attn = attn_.data();
         st.d_ctx = d_ctx.data();
-        st.d_scores = d_scores_.ensure(batch_ * H * q_len_ * k_len_);
+        // [B, H, Q, K]: 75 MB over configuration B's 6 layers, which the CPU's projected route does
+        // without (kernel_table.hpp, scores_grad_scratch).
+        if (absorb || !kernels::scores_grad_scratch) st.d_scores = d_scores_.ensure(batch_ * H * q_len_ * k_len_);
         st.dqu = dqu.data();
         st.dq = dq.data();
         st.dkv = dkv;
