@@ -235,8 +235,8 @@ struct gemm {
                 s3 = simd::fma(simd::load(a + j + 3 * w), simd::load(x + j + 3 * w), s3);
             }
             for (; j + w <= k; j += w) s0 = simd::fma(simd::load(a + j), simd::load(x + j), s0);
-            T tail = T(0);
-            for (; j < k; ++j) tail += a[j] * x[j];
+            T tail = T(0);  // by pointer: with an index, g++ 12 misreads a constant k (-Waggressive-loop-optimizations)
+            for (const T *p = a + j, *q = x + j; p < a + k; ++p, ++q) tail += *p * *q;
             c[r] += alpha * (simd::reduce_add((s0 + s1) + (s2 + s3)) + tail);
         }
     }
