@@ -44,6 +44,7 @@ int run(const shape& s, bool train, const char* name) {
     const double before = vm_hwm_mib();
     mnemo::compressive_transformer<float, Cfg> model({.vocab = s.vocab, .n_layers = s.n_layers, .d_ff = s.d_ff});
     model.reset_parameters(1);
+    if (!train) model.set_grad_enabled(false);  // inference, as bench_models' generation rows
     const index_t batch = train ? s.batch : 1;
     auto mem = model.make_memory(s.mem, s.c_mem);
     mem.reset(batch, s.seq);

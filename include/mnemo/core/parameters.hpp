@@ -2,7 +2,8 @@
 // parameter_set<T>: every parameter of a model in one flat buffer, gradients in a second buffer of the
 // same layout (and optimizer moments in buffers of that layout too), as llm.c does. Modules declare
 // their tensors by dotted name (PyTorch state_dict names) while they are constructed; allocate() then
-// fixes the layout. A param<T> handle addresses one tensor's values and gradient.
+// fixes the layout. The gradients are allocated at their first use: inference never holds them. A
+// param<T> handle addresses one tensor's values and gradient.
 //
 // Each tensor starts on a 64-byte boundary; the gaps are zero in every buffer and stay zero under
 // every optimizer (their gradient is zero), so whole-buffer loops need no special cases.
@@ -155,11 +156,12 @@ public:
         return param<T, Backend>(this, static_cast<index_t>(entries_.size() - 1));
     }
 
-    /// Fixes the layout and allocates values and gradients, both zero.
+    /// Fixes the layout and allocates the values, zero. The gradients (zero as well) are allocated at
+    /// their first use, so a model that only runs inference never holds them (C's generation: 204 MB
+    /// of its 697).
     void allocate() {
         MNEMO_CHECK(!allocated_, "parameter_set: allocate() called twice");
         memory::fill_zero(values_.ensure(total_), bytes(total_));
-        memory::fill_zero(grads_.ensure(total_), bytes(total_));
         // Deferred decay: a block may owe only if it lies inside one row-sparse tensor.
         const index_t blocks = (total_ + adam_cold_block - 1) / adam_cold_block;
         deferrable_.assign(std::size_t(blocks), 0);
@@ -179,6 +181,8 @@ public:
     }
 
     bool allocated() const { return allocated_; }
+    /// Whether the gradient buffer exists yet (it is allocated, zero, at the first use of a gradient).
+    bool grads_allocated() const { return allocated_ && grads_.capacity() >= total_ && total_ > 0; }
     /// Length of the flat buffers (including alignment gaps).
     index_t size() const { return total_; }
     /// Number of scalar parameters (excluding gaps).
@@ -203,15 +207,15 @@ public:
     /// The whole gradient buffer, writable: every gradient counts as touched until the next zero_grad()
     /// (clipping and the optimizers then read all of it, and zero_grad() clears all of it).
     T* grads() {
-        T* g = checked(grads_).data();
+        T* g = grad_storage();
         touch_all_grads();
         return g;
     }
-    const T* grads() const { return checked(grads_).data(); }
+    const T* grads() const { return grad_storage(); }
     /// The gradient buffer for in-place transforms that map +0 to +0 and never write outside
     /// grad_live_ranges() (clip_grad_norm's scaling by a finite factor): unlike grads() it keeps the
     /// record of touched rows.
-    T* grads_preserving_zeros() { return checked(grads_).data(); }
+    T* grads_preserving_zeros() { return grad_storage(); }
     /// Counts every gradient as touched until the next zero_grad(), as grads() does.
     void touch_all_grads() {
         if (!all_touched_) {
@@ -225,7 +229,7 @@ public:
     /// Sets every gradient to +0: clears the live ranges (everything else is +0 already) and empties the
     /// touched rows of the row-sparse tensors.
     void zero_grad() {
-        T* g = checked(grads_).data();
+        T* g = grad_storage();
         if (all_touched_) {
             memory::fill_zero(g, bytes(total_));
         } else {
@@ -256,7 +260,7 @@ public:
 
     /// See param::touch_grad_rows(): records rows [lo, hi) of tensor i and returns the gradient of row lo.
     T* touch_grad_rows(index_t i, index_t lo, index_t hi) {
-        T* g = checked(grads_).data();
+        T* g = grad_storage();
         const tensor_entry& e = entries_[static_cast<std::size_t>(i)];
         MNEMO_CHECK(0 <= lo && lo <= hi && hi <= e.rows(), "parameter_set: touch_grad_rows(", lo, ", ", hi,
                     ") on tensor '", e.name, "' outside its ", e.rows(), " rows");
@@ -365,7 +369,7 @@ public:
     /// Tensor i's whole gradient; a row-sparse tensor counts as touched in every row (see param::grad()).
     T* grad_ptr(index_t i) {
         const tensor_entry& e = entries_[static_cast<std::size_t>(i)];
-        if (e.sparsity == grad_sparsity::dense) return checked(grads_).data() + e.offset;
+        if (e.sparsity == grad_sparsity::dense) return grad_storage() + e.offset;
         return touch_grad_rows(i, 0, e.rows());
     }
 
@@ -393,6 +397,13 @@ private:
     struct row_interval {
         index_t lo = 0, hi = 0;  // [lo, hi) in rows; empty when lo == hi
     };
+
+    /// The gradient buffer, allocated and zeroed at the first call (every gradient is +0 until then).
+    T* grad_storage() const {
+        MNEMO_CHECK(allocated_, "parameter_set: allocate() must be called before parameters are used");
+        if (grads_.capacity() < total_) memory::fill_zero(grads_.ensure(total_), bytes(total_));
+        return grads_.data();
+    }
 
     // The live runs from the touched rows: each tensor's touched part, a whole tensor's part running on
     // over its trailing gap, merged with its neighbours where they meet.
@@ -423,7 +434,7 @@ private:
     std::vector<T> decay_log_;                          // the deferred steps' factors, oldest first
     mutable std::vector<std::uint32_t> owed_from_;      // per block: the first logged factor it has not had
     std::vector<std::uint8_t> deferrable_;              // per block: inside one row-sparse tensor
-    buffer<T, Backend> grads_;
+    mutable buffer<T, Backend> grads_;  // mutable: allocated at the first use (grad_storage)
     std::vector<row_interval> touched_;  // per tensor: the rows whose gradient may be non-zero
     bool all_touched_ = false;           // grads() handed out: the whole buffer may be non-zero
     mutable std::vector<flat_range> live_;  // grad_live_ranges(), rebuilt when live_dirty_

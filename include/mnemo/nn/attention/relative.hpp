@@ -479,11 +479,10 @@ private:
         return 2 * absorbed < projected;
     }
 
-    /// W_v directly follows W_k in the parameter buffers: [W_k; W_v] is one [2D, D] matrix.
-    bool kv_fused() const {
-        return value_.weight().value() == key_.weight().value() + D * D &&
-               value_.weight().grad() == key_.weight().grad() + D * D;
-    }
+    /// W_v directly follows W_k in the parameter buffers: [W_k; W_v] is one [2D, D] matrix, and so are
+    /// their gradients (the gradient buffer has the values' layout; asking for a gradient pointer here
+    /// would allocate the gradients of a model that only generates).
+    bool kv_fused() const { return value_.weight().value() == key_.weight().value() + D * D; }
 
     /// kv [rows, 2D] = [z·W_kᵀ, z·W_vᵀ + b_v]
     void project_kv(index_t rows, const T* z, index_t ldz, T* kv) const {
