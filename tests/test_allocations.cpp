@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <vector>
 
@@ -71,6 +72,24 @@ namespace {
 using alloc_cfg = mnemo::config<64, 4, 2>;
 using alloc_model = mnemo::compressive_transformer<float, alloc_cfg>;
 constexpr mnemo::index_t alloc_seq = 8, alloc_batch = 4, alloc_vocab = 29;
+
+// Six segments of random tokens through a batch-1 memory: memory and compressed memory full.
+template <class Memory>
+void prime_memory(alloc_model& model, Memory& mem, std::uint64_t seed) {
+    const auto prime = random_tokens(alloc_seq, alloc_vocab, seed);
+    for (int i = 0; i < 6; ++i) {
+        model.forward(prime, 1, mem);
+        model.update_memory(mem);
+    }
+}
+
+// One generated token: forward, memory merge, and the greedy choice written back to tok.
+template <class Memory>
+void greedy_step(alloc_model& model, Memory& mem, std::vector<mnemo::token_t>& tok) {
+    auto logits = model.forward(tok, 1, mem);
+    model.update_memory(mem);
+    tok[0] = mnemo::token_t(std::max_element(logits.row(0), logits.row(0) + logits.cols()) - logits.row(0));
+}
 }  // namespace
 
 // The whole training step of the performance issue, in steady state (memory and compressed memory
@@ -109,17 +128,9 @@ TEST_CASE("compressive transformer: a steady-state generation step performs no h
     model.reset_parameters(4);
     auto mem = model.make_memory(16, 16);
     mem.reset(1, alloc_seq);
-    const auto prime = random_tokens(alloc_seq, alloc_vocab, 5);
-    for (int i = 0; i < 6; ++i) {
-        model.forward(prime, 1, mem);
-        model.update_memory(mem);
-    }
+    prime_memory(model, mem, 5);
     std::vector<mnemo::token_t> tok = {1};
-    auto step = [&] {
-        auto logits = model.forward(tok, 1, mem);
-        model.update_memory(mem);
-        tok[0] = mnemo::token_t(std::max_element(logits.row(0), logits.row(0) + logits.cols()) - logits.row(0));
-    };
+    auto step = [&] { greedy_step(model, mem, tok); };
     for (int i = 0; i < 4; ++i) step();
     CHECK(mnemo::testing::count_allocations([&] {
               for (int i = 0; i < 8; ++i) step();
@@ -138,19 +149,11 @@ TEST_CASE("compressive transformer: generation never allocates the gradients; tr
         model.set_grad_enabled(false);
         auto mem = model.make_memory(16, 16);
         mem.reset(1, alloc_seq);
-        const auto prime = random_tokens(alloc_seq, alloc_vocab, 7);
-        for (int i = 0; i < 6; ++i) {
-            model.forward(prime, 1, mem);
-            model.update_memory(mem);
-        }
+        prime_memory(model, mem, 7);
         for (const bool cached : {false, true}) {
             model.cache_memory_projections(cached);
             std::vector<mnemo::token_t> tok = {1};
-            for (int i = 0; i < 6; ++i) {
-                auto logits = model.forward(tok, 1, mem);
-                model.update_memory(mem);
-                tok[0] = mnemo::token_t(std::max_element(logits.row(0), logits.row(0) + logits.cols()) - logits.row(0));
-            }
+            for (int i = 0; i < 6; ++i) greedy_step(model, mem, tok);
         }
         CHECK_FALSE(ps.grads_allocated());
 
