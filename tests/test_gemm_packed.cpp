@@ -195,7 +195,7 @@ TEST_CASE("gemm_packed: every tuning trait of every kernel this build has, on 1 
     check_every_tuning<gemm_packed_t<packed_isa_avx2>, avx2>({avx2::zen2, avx2::zen3, avx2::other});
 #ifdef __AVX512F__
     using avx512 = packed_tuning<packed_isa_avx512>;
-    check_every_tuning<gemm_packed_t<packed_isa_avx512>, avx512>({avx512::zen5, avx512::zen4, avx512::xeon_spr});
+    check_every_tuning<gemm_packed_t<packed_isa_avx512>, avx512>({avx512::zen5, avx512::zen4, avx512::xeon_spr, avx512::xeon_gnr});
 #endif
     MESSAGE("this machine: " << std::string(cpu_model_name(this_cpu_model())) << ", kernel " << std::string(GP::isa::name) << ", blocking "
                              << std::string(GP::tuning().measured_on) << " (kc " << GP::tuning().kc << ", mc " << GP::tuning().mc
@@ -363,7 +363,12 @@ TEST_CASE("cpu_model: AMD families and models map to their Zen generation, Intel
     using mnemo::cpu_kernels::intel_cpu_model;
     CHECK(intel_cpu_model(6, 0x8f) == cpu_model::xeon_spr);  // Sapphire Rapids
     CHECK(intel_cpu_model(6, 0xcf) == cpu_model::xeon_spr);  // Emerald Rapids
+    CHECK(intel_cpu_model(6, 0x8f, true) == cpu_model::xeon_spr);
+    CHECK(intel_cpu_model(6, 0xad) == cpu_model::xeon_gnr);  // Granite Rapids
+    CHECK(intel_cpu_model(6, 0xae) == cpu_model::xeon_gnr);  // Granite Rapids-D
+    CHECK(intel_cpu_model(6, 0xa7, true) == cpu_model::xeon_gnr);  // a VM's stand-in model, with AMX
+    CHECK(intel_cpu_model(6, 0xa7) == cpu_model::other);     // Rocket Lake (no AMX)
     CHECK(intel_cpu_model(6, 0x55) == cpu_model::other);     // Skylake-SP / Cascade Lake
-    CHECK(intel_cpu_model(6, 0xad) == cpu_model::other);     // Granite Rapids (not measured)
+    CHECK(intel_cpu_model(15, 0x06, true) == cpu_model::other);
     MESSAGE("this machine: " << std::string(cpu_model_name(mnemo::cpu_kernels::this_cpu_model())));
 }

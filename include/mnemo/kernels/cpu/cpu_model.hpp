@@ -1,10 +1,13 @@
 #pragma once
 // Which x86 microarchitecture this process runs on, read once from CPUID (vendor, family, model), for
 // the kernels whose blocking was measured per microarchitecture (gemm_packed.hpp's tuning traits).
-// Only what was measured is told apart: AMD's Zen generations by family and model, and Intel's
+// Only what was measured is told apart: AMD's Zen generations by family and model, Intel's
 // Sapphire Rapids / Emerald Rapids Xeons (Golden Cove and Raptor Cove cores: 48 KiB L1d, 2 MiB L2 a
-// core); everything else (other Intel cores, other vendors, non-x86 builds) is `other` and gets the
-// defaults.
+// core) and Granite Rapids Xeons (Redwood Cove: the same L1d and L2). Hypervisors do not always pass
+// the model through (a Granite Rapids VM measured here reported model A7h, a client part's number),
+// so a family-6 Intel CPU of no known Xeon model that has AMX (the tile registers only these Xeons
+// have) counts as the newest of them. Everything else (other Intel cores, other vendors, non-x86
+// builds) is `other` and gets the defaults.
 #include <cstring>
 #include <string_view>
 
@@ -14,7 +17,7 @@
 
 namespace mnemo::cpu_kernels {
 
-enum class cpu_model { zen1, zen2, zen3, zen4, zen5, xeon_spr, other };
+enum class cpu_model { zen1, zen2, zen3, zen4, zen5, xeon_spr, xeon_gnr, other };
 
 inline const char* cpu_model_name(cpu_model m) {
     switch (m) {
@@ -24,6 +27,7 @@ inline const char* cpu_model_name(cpu_model m) {
         case cpu_model::zen4: return "zen4";
         case cpu_model::zen5: return "zen5";
         case cpu_model::xeon_spr: return "xeon-spr";
+        case cpu_model::xeon_gnr: return "xeon-gnr";
         case cpu_model::other: break;
     }
     return "other";
@@ -43,10 +47,13 @@ inline cpu_model amd_cpu_model(unsigned family, unsigned model) {
 }
 
 /// The microarchitecture of an Intel CPU of CPUID family `family` and model `model` (display
-/// values): family 6, model 8Fh (Sapphire Rapids) or CFh (Emerald Rapids) is xeon_spr; the rest
-/// (Granite Rapids' 2 MiB-L2 cores included, not measured) is other.
-inline cpu_model intel_cpu_model(unsigned family, unsigned model) {
-    if (family == 6 && (model == 0x8f || model == 0xcf)) return cpu_model::xeon_spr;
+/// values), `amx` whether it has AMX tiles (CPUID leaf 7, EDX bit 24): family 6, model 8Fh (Sapphire
+/// Rapids) or CFh (Emerald Rapids) is xeon_spr; ADh or AEh (Granite Rapids), or any other family-6
+/// model with AMX (a hypervisor's stand-in model), is xeon_gnr; the rest is other.
+inline cpu_model intel_cpu_model(unsigned family, unsigned model, bool amx = false) {
+    if (family != 6) return cpu_model::other;
+    if (model == 0x8f || model == 0xcf) return cpu_model::xeon_spr;
+    if (model == 0xad || model == 0xae || amx) return cpu_model::xeon_gnr;
     return cpu_model::other;
 }
 
@@ -67,7 +74,10 @@ inline cpu_model this_cpu_model() {
         const unsigned base_family = (eax >> 8) & 0xf, base_model = (eax >> 4) & 0xf;
         const unsigned family = base_family == 0xf ? base_family + ((eax >> 20) & 0xff) : base_family;
         const unsigned model = base_family == 0xf || base_family == 6 ? base_model | (((eax >> 16) & 0xf) << 4) : base_model;
-        return v == "AuthenticAMD" ? amd_cpu_model(family, model) : intel_cpu_model(family, model);
+        if (v == "AuthenticAMD") return amd_cpu_model(family, model);
+        unsigned e7 = 0, b7 = 0, c7 = 0, d7 = 0;
+        const bool amx = __get_cpuid_count(7, 0, &e7, &b7, &c7, &d7) && ((d7 >> 24) & 1u);
+        return intel_cpu_model(family, model, amx);
 #else
         return cpu_model::other;
 #endif
