@@ -209,7 +209,7 @@ struct packed_tuning<packed_isa_avx512> {
     // medians of 5 interleaved runs: every setting 0.63-0.66 of the peak on 2 threads and 0.65-0.68
     // on 1 (mc 126 / 504, nc 4096, kc 256 / 384, no column split); mc 504 against 252 in 8 more pairs
     // 321 against 315 GFLOP/s on 2 threads, 161 against 159 on 1: within the noise. The tile alone,
-    // operands in L1, reaches 0.80-0.87 there: the gap is packing (9% of a 2048×512×2048 product) and
+    // operands in L1, reaches 0.77-0.87 there: the gap is packing (9% of a 2048×512×2048 product) and
     // B's panels from L3, not the blocking.
     static constexpr packed_blocking xeon_gnr{"xeon-gnr (zen5's values, measured)", 512, 252, 2048, 1024};
     static constexpr packed_blocking for_model(cpu_model m) {
