@@ -134,11 +134,14 @@ void BM_gemm(benchmark::State& state, form f, path p = path::dispatch) {
 // d_model 256; 128 queries, 384 keys with a memory of 256; the causal band), one thread: the scores
 // q·kᵀ (nt), the context a·v (nn) and dv = aᵀ·dO (tn). Arg 1: one head's products repeated (its
 // 196 KB attention block hot in L2); arg 64: all of B's (batch element, head) pairs in turn, each
-// its own block, as in a training step. GFLOP/s by the full products' count (bench_models' count;
+// its own block in a 12.6 MB buffer; second arg 1: the 64 pairs in turn through one block kept hot,
+// as a training step's heads run (relative_attention's score block: only the operands q, k, v
+// come from farther than L2). GFLOP/s by the full products' count (bench_models' count;
 // the band skips about a sixth).
 void BM_head_products(benchmark::State& state, form f) {
     constexpr index_t B = 8, H = 8, D = 256, Dk = 32, Q = 128, M = 256, Kl = Q + M, ld = B * D, ldkv = B * 2 * D;
     const index_t pairs = state.range(0);
+    const bool one_block = state.range(1) != 0;
     omp_set_num_threads(1);
     auto q = filled(Q * ld, 0.01f), kv = filled(Kl * ldkv, 0.02f), ctx = filled(Q * ld, 0.0f), dkv = filled(Kl * ldkv, 0.0f);
     auto attn = filled(B * H * Q * Kl, 0.001f);
@@ -150,7 +153,7 @@ void BM_head_products(benchmark::State& state, form f) {
     for (auto _ : state) {
         for (index_t bh = 0; bh < pairs; ++bh) {
             const index_t b = bh / H, h = bh % H, off = b * D + h * Dk, koff = b * 2 * D + h * Dk;
-            float* a = attn.data() + bh * Q * Kl;
+            float* a = attn.data() + (one_block ? 0 : bh * Q * Kl);
             switch (f) {
                 case nt: K::head_gemm_nt<Dk>(Q, Kl, q.data() + off, ld, kv.data() + koff, ldkv, a, Kl, band); break;
                 case nn: K::head_gemm_nn<Dk>(Q, Kl, a, Kl, kv.data() + koff + D, ldkv, ctx.data() + off, ld, 0.0f, band); break;
@@ -168,7 +171,9 @@ void BM_head_products(benchmark::State& state, form f) {
     state.counters["peak_GFLOPs"] = peak;
     state.counters["peak_frac"] = gflops / peak;
     state.counters["threads"] = 1;
-    state.SetLabel(pairs == 1 ? "one head, hot" : "B's 64 heads in turn");
+    state.SetLabel(pairs == 1 ? "one head, hot"
+                   : one_block ? "B's 64 heads in turn, one score block"
+                               : "B's 64 heads in turn, a block each");
     omp_set_num_threads(omp_get_num_procs());
 }
 
@@ -366,9 +371,9 @@ BENCHMARK_CAPTURE(BM_gemm_packed_model, nt, nt)->Apply(model_gemm_shapes_1_2)->U
 BENCHMARK_CAPTURE(BM_gemm_packed_model, tn, tn)->Apply(model_gemm_shapes_1_2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_packed_blocking)->Apply(packed_blocking_sweep)->UseRealTime()->Unit(benchmark::kMillisecond);
 #endif
-BENCHMARK_CAPTURE(BM_head_products, nt, nt)->Arg(1)->Arg(64)->UseRealTime()->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_head_products, nn, nn)->Arg(1)->Arg(64)->UseRealTime()->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_head_products, tn, tn)->Arg(1)->Arg(64)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_head_products, nt, nt)->Args({1, 0})->Args({64, 0})->Args({64, 1})->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_head_products, nn, nn)->Args({1, 0})->Args({64, 0})->Args({64, 1})->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_head_products, tn, tn)->Args({1, 0})->Args({64, 0})->Args({64, 1})->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_softmax)->Args({4096, 512})->Args({1024, 4096})->Args({8192, 65})->UseRealTime();
 BENCHMARK(BM_layer_norm)->Args({4096, 128})->Args({4096, 512})->Args({8192, 256})->UseRealTime();
 BENCHMARK(BM_layer_norm_backward)->Args({4096, 128})->Args({4096, 512})->UseRealTime();

@@ -3,12 +3,13 @@
 // thread's share of its work, and at exit reports a window of the steady state: the time outside
 // any region (serial code), the time inside regions split into the slowest thread's work and the
 // starting and ending of the region, how long one thread waited for the other, and the regions
-// that took the most time by their outlined function (an offset into the executable).
+// that took the most time by their outlined function (an offset into the executable), each with
+// the share of the window one of its threads spent waiting for the other (its imbalance).
 //
 //   gcc -O2 -shared -fPIC tools/gomp_regions.c -o /tmp/gomp_regions.so -ldl
 //   LD_PRELOAD=/tmp/gomp_regions.so build/benchmarks/bench_models --benchmark_filter=BM_train_A/ --benchmark_min_time=6 2>regions.txt
 //   grep -v '^region' regions.txt; grep '^region' regions.txt | sort -k2 -rn | head -20 |
-//       while read -r _ pct n off file; do echo "$pct $n $(addr2line -f -C -e "$file" "$off" | head -1)"; done
+//       while read -r _ pct n off wait file; do echo "$pct $n $wait $(addr2line -f -C -e "$file" "$off" | head -1)"; done
 //
 // The window is the 4 s that end 0.6 s before the last region (Google Benchmark's final run of a
 // row with --benchmark_min_time of 5 s or more, past the peak measurement that follows the row);
@@ -76,7 +77,7 @@ __attribute__((destructor)) static void report(void) {
     long counted = 0;
     enum { max_fns = 512 };
     void* fns[max_fns];
-    double fn_time[max_fns];
+    double fn_time[max_fns], fn_wait[max_fns];
     long fn_count[max_fns];
     int n_fns = 0;
     for (long i = 0; i < n_regions; ++i) {
@@ -95,9 +96,10 @@ __attribute__((destructor)) static void report(void) {
         while (f < n_fns && fns[f] != r->fn) ++f;
         if (f == n_fns) {
             if (n_fns == max_fns) continue;
-            fns[n_fns] = r->fn, fn_time[n_fns] = 0, fn_count[n_fns] = 0, ++n_fns;
+            fns[n_fns] = r->fn, fn_time[n_fns] = 0, fn_wait[n_fns] = 0, fn_count[n_fns] = 0, ++n_fns;
         }
         fn_time[f] += r->end - r->begin;
+        fn_wait[f] += hi - lo;
         ++fn_count[f];
     }
     const double span = last - first;
@@ -115,7 +117,7 @@ __attribute__((destructor)) static void report(void) {
     for (int f = 0; f < n_fns; ++f) {
         Dl_info info;
         if (!dladdr(fns[f], &info)) continue;
-        fprintf(stderr, "region %.2f%% %ld 0x%lx %s\n", 100 * fn_time[f] / span, fn_count[f],
-                (unsigned long)((char*)fns[f] - (char*)info.dli_fbase), info.dli_fname);
+        fprintf(stderr, "region %.2f%% %ld 0x%lx %.2f%% %s\n", 100 * fn_time[f] / span, fn_count[f],
+                (unsigned long)((char*)fns[f] - (char*)info.dli_fbase), 100 * fn_wait[f] / span, info.dli_fname);
     }
 }

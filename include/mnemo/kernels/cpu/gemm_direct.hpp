@@ -13,8 +13,9 @@
 //   32 in 28 zmm; AVX2: 6 × 16 in 12 ymm) lives in registers; each step over k loads two vectors of
 //   B's row k (partial at C's right edge) and broadcasts MR floats of A's column k. Column blocks of
 //   two vectors outside, row tiles inside: a block of B comes from memory for the first row tile and
-//   from L1 for the others. Rows are cut into tiles of equal height (AVX-512, 32 → 11, 11, 10; not
-//   14 + 14 + 4).
+//   from L1 for the others (on AVX-512 the tile prefetches B's rows Isa::direct_prefetch steps
+//   ahead: the first row tile's reads of a block from L3 otherwise wait on each line). Rows are
+//   cut into tiles of equal height (AVX-512, 32 → 11, 11, 10; not 14 + 14 + 4).
 // gemm_nt: C[M,N] = beta·C + A[M,K]·B[N,K]ᵀ, as Cᵀ = B·Aᵀ on the kernel above: 2·lanes rows of A at a
 //   time are transposed (lanes × lanes in registers) into a [K, 2·lanes] block, the rows of B are the
 //   kernel's broadcast side (each read once), and the [N, 2·lanes] result is transposed into C. The
@@ -48,6 +49,11 @@ struct gemm_direct_t {
         const index_t c1 = cols - lanes;
         for (index_t p = 0; p < k; ++p) {
             const float* bp = b + p * ldb;
+            if constexpr (Isa::direct_prefetch > 0) {  // B's row a few steps ahead (the first row tile fetches it)
+                const char* ahead = reinterpret_cast<const char*>(bp + Isa::direct_prefetch * ldb);
+                _mm_prefetch(ahead, _MM_HINT_T0);
+                if constexpr (Two) _mm_prefetch(ahead + lanes * sizeof(float), _MM_HINT_T0);
+            }
             const batch b0 = Isa::load_partial(bp, cols);
             batch b1(0.0f);
             if constexpr (Two) b1 = Isa::load_partial(bp + lanes, c1);

@@ -14,7 +14,8 @@
 // (AVX2, d_k 32: 3 × 4 in 12 ymm; AVX-512: 12 × 2), each element one FMA chain over the depth in
 // order. nt has two kernels: for a few keys, one horizontal sum per score (head_nt: X's row in
 // registers); for many, the scores as vectors along the keys (head_nt_wide: Yᵀ copied a block at a
-// time, R rows × 2 vectors per tile, AVX2 6 × 16), one FMA chain over d per score.
+// time, and X's rows when they lie apart, R rows × 2 vectors per tile, AVX2 6 × 16), one FMA chain
+// over d per score.
 //
 // Attention's products take a causal band (causal_keys: query row i sees keys up to offset + i): the
 // tiles then skip what a tile's rows cannot see, about a sixth of B's per-head work (memory 256,
@@ -345,21 +346,53 @@ private:
         const index_t Dk = Dk_ > 0 ? Dk_ : dk;
         const index_t nb = std::max<index_t>(NR, y_block / Dk / NR * NR);  // Yᵀ's columns per block
         alignas(64) T pack[y_block];  // nb·Dk ≤ y_block: fits keeps Dk ≤ 8 vectors ≤ y_block / NR
+        // X's rows, a block of xb at a time, copied to the stack when they lie far apart (see x_packed).
+        const index_t xb = y_block / Dk;
+        const bool copy_x = ldx > Dk && m > R;
+        alignas(64) T xpack[y_block];
+        index_t x_in_pack = -1;  // the first row of the block now in xpack
         for (index_t j0 = 0; j0 < n && j0 < band.end(m); j0 += nb) {  // keys some row sees
             const index_t cols = std::min(nb, n - j0), ldyt = (cols + NR - 1) / NR * NR;
             // The columns a tile of rows [i, i + Rt) computes: those its last row sees, whole vectors.
             auto seen = [&](index_t i, index_t rt) { return std::min(cols, band.end(i + rt) - j0); };
             pack_transposed<Dk_>(Dk, cols, ldyt, y + j0 * ldy, ldy, pack);
-            index_t i = 0;
-            for (; i + R <= m; i += R)
-                for (index_t j = 0; j < seen(i, R); j += NR)
-                    nt_tile<R>(Dk, x + i * ldx, ldx, pack + j, ldyt, s + i * lds + j0 + j, lds, std::min(NR, cols - j));
-            if (i < m)
-                with_rows<R - 1>(m - i, [&]<index_t Rt>() {
-                    for (index_t j = 0; j < seen(i, Rt); j += NR)
-                        nt_tile<Rt>(Dk, x + i * ldx, ldx, pack + j, ldyt, s + i * lds + j0 + j, lds,
-                                    std::min(NR, cols - j));
-                });
+            for (index_t i0 = 0; i0 < m; i0 += xb) {
+                const index_t i1 = std::min(m, i0 + xb);
+                if (seen(i0, i1 - i0) <= 0) continue;  // no row of the block sees these keys
+                const T* xr = x + i0 * ldx;
+                index_t ldxr = ldx;
+                if (copy_x) {
+                    if (x_in_pack != i0) x_packed<Dk_>(Dk, i1 - i0, x + i0 * ldx, ldx, xpack);
+                    x_in_pack = i0;
+                    xr = xpack;
+                    ldxr = Dk;
+                }
+                index_t i = i0;
+                for (; i + R <= i1; i += R)
+                    for (index_t j = 0; j < seen(i, R); j += NR)
+                        nt_tile<R>(Dk, xr + (i - i0) * ldxr, ldxr, pack + j, ldyt, s + i * lds + j0 + j, lds,
+                                   std::min(NR, cols - j));
+                if (i < i1)
+                    with_rows<R - 1>(i1 - i, [&]<index_t Rt>() {
+                        for (index_t j = 0; j < seen(i, Rt); j += NR)
+                            nt_tile<Rt>(Dk, xr + (i - i0) * ldxr, ldxr, pack + j, ldyt, s + i * lds + j0 + j, lds,
+                                        std::min(NR, cols - j));
+                    });
+            }
+        }
+    }
+
+    /// X's rows for head_nt_wide: pack[r·Dk + d] = x[r·ldx + d], r < rows ≤ y_block / Dk. A head's
+    /// rows inside [rows, B·D] buffers lie 8 KB apart in configuration B (ld = B·D = 2048 floats), so
+    /// every row falls in the same L1 set: a tile's 12 rows and the Yᵀ block they are multiplied by
+    /// then evict each other, and each broadcast may wait on L2. A copy: the bits are the same.
+    template <index_t Dk_, class T>
+    static void x_packed(index_t dk, index_t rows, const T* x, index_t ldx, T* pack) {
+        const index_t Dk = Dk_ > 0 ? Dk_ : dk;
+        constexpr index_t W = simd::width<T>;
+        for (index_t r = 0; r < rows; ++r) {
+            prefetch_row(x + (r + prefetch_ahead) * ldx, Dk);
+            for (index_t d = 0; d < Dk; d += W) simd::store(pack + r * Dk + d, simd::load(x + r * ldx + d));
         }
     }
 
