@@ -346,11 +346,12 @@ private:
         const index_t Dk = Dk_ > 0 ? Dk_ : dk;
         const index_t nb = std::max<index_t>(NR, y_block / Dk / NR * NR);  // Yᵀ's columns per block
         alignas(64) T pack[y_block];  // nb·Dk ≤ y_block: fits keeps Dk ≤ 8 vectors ≤ y_block / NR
-        // X's rows, a block of xb at a time, copied to the stack when they lie far apart (see x_packed).
+        // X's rows, a block of xb at a time, copied to the stack when they lie apart (a head's rows in
+        // [rows, B·D] buffers are 8 KB apart in configuration B: a tile's 12 rows share one L1 set
+        // with the Yᵀ block's lines). One block (m ≤ xb) is copied once, for the first Yᵀ block.
         const index_t xb = y_block / Dk;
         const bool copy_x = ldx > Dk && m > R;
         alignas(64) T xpack[y_block];
-        index_t x_in_pack = -1;  // the first row of the block now in xpack
         for (index_t j0 = 0; j0 < n && j0 < band.end(m); j0 += nb) {  // keys some row sees
             const index_t cols = std::min(nb, n - j0), ldyt = (cols + NR - 1) / NR * NR;
             // The columns a tile of rows [i, i + Rt) computes: those its last row sees, whole vectors.
@@ -362,8 +363,7 @@ private:
                 const T* xr = x + i0 * ldx;
                 index_t ldxr = ldx;
                 if (copy_x) {
-                    if (x_in_pack != i0) x_packed<Dk_>(Dk, i1 - i0, x + i0 * ldx, ldx, xpack);
-                    x_in_pack = i0;
+                    if (j0 == 0 || m > xb) packed<Dk_>(Dk, i1 - i0, x + i0 * ldx, ldx, xpack);
                     xr = xpack;
                     ldxr = Dk;
                 }
@@ -379,20 +379,6 @@ private:
                                         std::min(NR, cols - j));
                     });
             }
-        }
-    }
-
-    /// X's rows for head_nt_wide: pack[r·Dk + d] = x[r·ldx + d], r < rows ≤ y_block / Dk. A head's
-    /// rows inside [rows, B·D] buffers lie 8 KB apart in configuration B (ld = B·D = 2048 floats), so
-    /// every row falls in the same L1 set: a tile's 12 rows and the Yᵀ block they are multiplied by
-    /// then evict each other, and each broadcast may wait on L2. A copy: the bits are the same.
-    template <index_t Dk_, class T>
-    static void x_packed(index_t dk, index_t rows, const T* x, index_t ldx, T* pack) {
-        const index_t Dk = Dk_ > 0 ? Dk_ : dk;
-        constexpr index_t W = simd::width<T>;
-        for (index_t r = 0; r < rows; ++r) {
-            prefetch_row(x + (r + prefetch_ahead) * ldx, Dk);
-            for (index_t d = 0; d < Dk; d += W) simd::store(pack + r * Dk + d, simd::load(x + r * ldx + d));
         }
     }
 
