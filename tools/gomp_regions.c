@@ -4,12 +4,16 @@
 // any region (serial code), the time inside regions split into the slowest thread's work and the
 // starting and ending of the region, how long one thread waited for the other, and the regions
 // that took the most time by their outlined function (an offset into the executable), each with
-// the share of the window one of its threads spent waiting for the other (its imbalance).
+// the share of the window one of its threads spent waiting for the other (its imbalance), and the
+// serial time before each region by the place GOMP_parallel was called from (the code that ran on
+// one thread lies between the region before and that call).
 //
 //   gcc -O2 -shared -fPIC tools/gomp_regions.c -o /tmp/gomp_regions.so -ldl
 //   LD_PRELOAD=/tmp/gomp_regions.so build/benchmarks/bench_models --benchmark_filter=BM_train_A/ --benchmark_min_time=6 2>regions.txt
-//   grep -v '^region' regions.txt; grep '^region' regions.txt | sort -k2 -rn | head -20 |
+//   grep '^gomp_regions' regions.txt; grep '^region' regions.txt | sort -k2 -rn | head -20 |
 //       while read -r _ pct n off wait file; do echo "$pct $n $wait $(addr2line -f -C -e "$file" "$off" | head -1)"; done
+//   grep '^serial' regions.txt | sort -k2 -rn | head -20 |
+//       while read -r _ pct n off file; do echo "$pct $n $(addr2line -f -i -C -e "$file" "$off" | sed -n 1p)"; done
 //
 // The window is the 4 s that end 0.6 s before the last region (Google Benchmark's final run of a
 // row with --benchmark_min_time of 5 s or more, past the peak measurement that follows the row);
@@ -34,6 +38,7 @@ static double now(void) {
 struct region {
     double begin, end, work[2];
     void* fn;
+    void* site;  // where GOMP_parallel was called from
 };
 enum { max_regions = 1 << 20 };
 static struct region* regions;
@@ -65,7 +70,8 @@ void GOMP_parallel(void (*fn)(void*), void* data, unsigned threads, unsigned fla
     const double t0 = now();
     real(timed_body, &c, threads, flags);
     const double t1 = now();
-    if (regions && n_regions < max_regions) regions[n_regions++] = (struct region){t0, t1, {c.work[0], c.work[1]}, (void*)fn};
+    if (regions && n_regions < max_regions)
+        regions[n_regions++] = (struct region){t0, t1, {c.work[0], c.work[1]}, (void*)fn, __builtin_return_address(0)};
 }
 
 __attribute__((destructor)) static void report(void) {
@@ -80,10 +86,20 @@ __attribute__((destructor)) static void report(void) {
     double fn_time[max_fns], fn_wait[max_fns];
     long fn_count[max_fns];
     int n_fns = 0;
+    void* sites[max_fns];  // serial time before each region, by the region's call site
+    double site_gap[max_fns];
+    long site_count[max_fns];
+    int n_sites = 0;
     for (long i = 0; i < n_regions; ++i) {
         const struct region* r = &regions[i];
         if (r->begin < start || r->end > end) continue;
         if (counted++ == 0) first = r->begin;
+        else {
+            int g = 0;
+            while (g < n_sites && sites[g] != r->site) ++g;
+            if (g == n_sites && n_sites < max_fns) sites[n_sites] = r->site, site_gap[n_sites] = 0, site_count[n_sites] = 0, ++n_sites;
+            if (g < n_sites) site_gap[g] += r->begin - last, ++site_count[g];
+        }
         last = r->end;
         const double hi = r->work[0] > r->work[1] ? r->work[0] : r->work[1];
         const double lo = r->work[0] > r->work[1] ? r->work[1] : r->work[0];
@@ -119,5 +135,11 @@ __attribute__((destructor)) static void report(void) {
         if (!dladdr(fns[f], &info)) continue;
         fprintf(stderr, "region %.2f%% %ld 0x%lx %.2f%% %s\n", 100 * fn_time[f] / span, fn_count[f],
                 (unsigned long)((char*)fns[f] - (char*)info.dli_fbase), 100 * fn_wait[f] / span, info.dli_fname);
+    }
+    for (int g = 0; g < n_sites; ++g) {
+        Dl_info info;
+        if (!dladdr(sites[g], &info)) continue;
+        fprintf(stderr, "serial %.2f%% %ld 0x%lx %s\n", 100 * site_gap[g] / span, site_count[g],
+                (unsigned long)((char*)sites[g] - (char*)info.dli_fbase), info.dli_fname);
     }
 }

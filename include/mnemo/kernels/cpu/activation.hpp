@@ -20,7 +20,7 @@ struct activation {
     template <class T, class F>
     static void over_batches(index_t nv, F&& f) {
         constexpr index_t w = simd::width<T>;
-        parallel_range(nv / w, nv >= 65536, [&](index_t begin, index_t end) {
+        parallel_range(nv / w, nv >= parallel_min_elements, [&](index_t begin, index_t end) {
             for (index_t b = begin; b < end; ++b) f(b * w);
         });
     }

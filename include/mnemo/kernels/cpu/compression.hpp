@@ -21,7 +21,7 @@ struct compression {
     static void im2col_time(index_t out_rows, index_t batch, index_t d, const T* mem, index_t ldm, T* x,
                             index_t rate = index_t(Rate)) {
         const index_t c = Rate != dynamic ? static_cast<index_t>(Rate) : rate;
-        parallel_range(out_rows, out_rows * d * c >= 65536, [&](index_t r_begin, index_t r_end) {
+        parallel_range(out_rows, out_rows * d * c >= parallel_min_elements, [&](index_t r_begin, index_t r_end) {
         for (index_t r = r_begin; r < r_end; ++r) {
             const index_t s = r / batch, b = r % batch;
             T* xr = x + r * d * c;
@@ -38,7 +38,7 @@ struct compression {
     static void col2im_time(index_t out_rows, index_t batch, index_t d, const T* dx, T* d_mem, index_t ldm,
                             index_t rate = index_t(Rate)) {
         const index_t c = Rate != dynamic ? static_cast<index_t>(Rate) : rate;
-        parallel_range(out_rows, out_rows * d * c >= 65536, [&](index_t r_begin, index_t r_end) {
+        parallel_range(out_rows, out_rows * d * c >= parallel_min_elements, [&](index_t r_begin, index_t r_end) {
         for (index_t r = r_begin; r < r_end; ++r) {
             const index_t s = r / batch, b = r % batch;
             const T* xr = dx + r * d * c;
@@ -55,7 +55,7 @@ struct compression {
     static void max_pool_time_forward(index_t out_rows, index_t batch, index_t d, const T* mem, index_t ldm, T* out,
                                       index_t ldo, I* arg, index_t rate = index_t(Rate)) {
         const index_t c = Rate != dynamic ? static_cast<index_t>(Rate) : rate;
-        parallel_range(out_rows, out_rows * d * c >= 65536, [&](index_t r_begin, index_t r_end) {
+        parallel_range(out_rows, out_rows * d * c >= parallel_min_elements, [&](index_t r_begin, index_t r_end) {
         for (index_t r = r_begin; r < r_end; ++r) {
             const index_t s = r / batch, b = r % batch;
             T* o = out + r * ldo;
@@ -83,7 +83,7 @@ struct compression {
     static void max_pool_time_backward(index_t out_rows, index_t batch, index_t d, const T* d_out, index_t ldo,
                                        const I* arg, T* d_mem, index_t ldm, index_t rate = index_t(Rate)) {
         const index_t c = Rate != dynamic ? static_cast<index_t>(Rate) : rate;
-        parallel_range(out_rows, out_rows * d * c >= 65536, [&](index_t r_begin, index_t r_end) {
+        parallel_range(out_rows, out_rows * d * c >= parallel_min_elements, [&](index_t r_begin, index_t r_end) {
         for (index_t r = r_begin; r < r_end; ++r) {
             const index_t s = r / batch, b = r % batch;
             const T* g = d_out + r * ldo;
@@ -102,7 +102,7 @@ struct compression {
                                        index_t ldo, index_t rate = index_t(Rate)) {
         const index_t c = Rate != dynamic ? static_cast<index_t>(Rate) : rate;
         const T divisor = static_cast<T>(c);
-        parallel_range(out_rows, out_rows * d * c >= 65536, [&](index_t r_begin, index_t r_end) {
+        parallel_range(out_rows, out_rows * d * c >= parallel_min_elements, [&](index_t r_begin, index_t r_end) {
         for (index_t r = r_begin; r < r_end; ++r) {
             const index_t s = r / batch, b = r % batch;
             T* o = out + r * ldo;
@@ -123,7 +123,7 @@ struct compression {
                                         T* d_mem, index_t ldm, index_t rate = index_t(Rate)) {
         const index_t c = Rate != dynamic ? static_cast<index_t>(Rate) : rate;
         const T divisor = static_cast<T>(c);
-        parallel_range(out_rows, out_rows * d * c >= 65536, [&](index_t r_begin, index_t r_end) {
+        parallel_range(out_rows, out_rows * d * c >= parallel_min_elements, [&](index_t r_begin, index_t r_end) {
         for (index_t r = r_begin; r < r_end; ++r) {
             const index_t s = r / batch, b = r % batch;
             const T* g = d_out + r * ldo;

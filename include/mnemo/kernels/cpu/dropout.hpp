@@ -31,7 +31,7 @@ private:
             return;
         }
         const T scale = p >= 1.0f ? T(0) : T(1) / (T(1) - T(p));
-        parallel_range(n, n >= 65536, [&](index_t begin, index_t end) {
+        parallel_range(n, n >= parallel_min_elements, [&](index_t begin, index_t end) {
             for (index_t i = begin; i < end; ++i)
                 y[i] = random_uniform(seed, offset + static_cast<std::uint64_t>(i)) >= p ? x[i] * scale : T(0);
         });

@@ -17,7 +17,7 @@ struct elementwise {
     template <class T>
     static void add_bias_rows(index_t rows, index_t n, const T* b, T* c, index_t ldc) {
         const index_t nv = simd::full_batches<T>(n);
-        parallel_range(rows, rows * n >= 65536, [&](index_t i_begin, index_t i_end) {
+        parallel_range(rows, rows * n >= parallel_min_elements, [&](index_t i_begin, index_t i_end) {
         for (index_t i = i_begin; i < i_end; ++i) {
             T* ci = c + i * ldc;
             index_t j = 0;
@@ -32,7 +32,7 @@ struct elementwise {
     static void sum_rows_accumulate(index_t rows, index_t n, const T* dy, index_t ld, T* db) {
         constexpr index_t block = 64;
         const index_t nblocks = (n + block - 1) / block;
-        parallel_range(nblocks, rows * n >= 65536, [&](index_t cb_begin, index_t cb_end) {
+        parallel_range(nblocks, rows * n >= parallel_min_elements, [&](index_t cb_begin, index_t cb_end) {
         for (index_t cb = cb_begin; cb < cb_end; ++cb) {
             const index_t j0 = cb * block, j1 = std::min(n, j0 + block);
             for (index_t i = 0; i < rows; ++i) {
@@ -47,7 +47,7 @@ struct elementwise {
     template <class T>
     static void add(index_t rows, index_t n, const T* a, index_t lda, const T* b, index_t ldb, T* y, index_t ldy) {
         const index_t nv = simd::full_batches<T>(n);
-        parallel_range(rows, rows * n >= 65536, [&](index_t i_begin, index_t i_end) {
+        parallel_range(rows, rows * n >= parallel_min_elements, [&](index_t i_begin, index_t i_end) {
         for (index_t i = i_begin; i < i_end; ++i) {
             const T* ai = a + i * lda;
             const T* bi = b + i * ldb;
@@ -109,7 +109,7 @@ struct elementwise {
     template <class T>
     static void copy(index_t rows, index_t n, const T* x, index_t ldx, T* y, index_t ldy, bool accumulate = false) {
         const index_t nv = simd::full_batches<T>(n);
-        parallel_range(rows, rows * n >= 65536, [&](index_t i_begin, index_t i_end) {
+        parallel_range(rows, rows * n >= parallel_min_elements, [&](index_t i_begin, index_t i_end) {
         for (index_t i = i_begin; i < i_end; ++i) {
             const T* xi = x + i * ldx;
             T* yi = y + i * ldy;
@@ -161,7 +161,7 @@ struct elementwise {
     /// y[i, :] = s · x[i, :]   (in place when y == x)
     template <class T>
     static void scale(index_t rows, index_t n, const T* x, index_t ldx, T s, T* y, index_t ldy) {
-        parallel_range(rows, rows * n >= 65536, [&](index_t i_begin, index_t i_end) {
+        parallel_range(rows, rows * n >= parallel_min_elements, [&](index_t i_begin, index_t i_end) {
         for (index_t i = i_begin; i < i_end; ++i) {
             const T* xi = x + i * ldx;
             T* yi = y + i * ldy;
@@ -183,7 +183,7 @@ struct elementwise {
     /// y[i, :] = table[ids[i], :]   (ids already checked to lie in [0, rows of table))
     template <class T, class I>
     static void gather_rows(index_t rows, index_t n, const I* ids, const T* table, index_t ldt, T* y, index_t ldy) {
-        parallel_range(rows, rows * n >= 65536, [&](index_t i_begin, index_t i_end) {
+        parallel_range(rows, rows * n >= parallel_min_elements, [&](index_t i_begin, index_t i_end) {
         for (index_t i = i_begin; i < i_end; ++i) {
             const T* src = table + static_cast<index_t>(ids[i]) * ldt;
             T* yi = y + i * ldy;
@@ -198,7 +198,7 @@ struct elementwise {
     static void scatter_add_rows(index_t rows, index_t n, const I* ids, const T* dy, index_t ld, T* table, index_t ldt) {
         constexpr index_t block = 64;
         const index_t nblocks = (n + block - 1) / block;
-        parallel_range(nblocks, rows * n >= 65536, [&](index_t cb_begin, index_t cb_end) {
+        parallel_range(nblocks, rows * n >= parallel_min_elements, [&](index_t cb_begin, index_t cb_end) {
         for (index_t cb = cb_begin; cb < cb_end; ++cb) {
             const index_t j0 = cb * block, j1 = std::min(n, j0 + block);
             for (index_t i = 0; i < rows; ++i) {

@@ -23,7 +23,7 @@ struct gru_pointwise {
     template <class T>
     static void gru_gate_forward(index_t rows, index_t d, T* gi, T* gh, const T* b_ih, const T* b_hh, const T* x, T* out,
                         index_t ldo) {
-        parallel_range(rows, rows * d >= 65536, [&](index_t i_begin, index_t i_end) {
+        parallel_range(rows, rows * d >= parallel_min_elements, [&](index_t i_begin, index_t i_end) {
         for (index_t i = i_begin; i < i_end; ++i) {
             T* a = gi + i * 3 * d;
             T* h = gh + i * 3 * d;
@@ -51,7 +51,7 @@ struct gru_pointwise {
     template <class T>
     static void gru_gate_backward(index_t rows, index_t d, const T* act, const T* gh, const T* x, const T* g, index_t ldg,
                          T* dgi, T* dgh, T* dx, index_t ldx, bool accumulate_dx) {
-        parallel_range(rows, rows * d >= 65536, [&](index_t i_begin, index_t i_end) {
+        parallel_range(rows, rows * d >= parallel_min_elements, [&](index_t i_begin, index_t i_end) {
         for (index_t i = i_begin; i < i_end; ++i) {
             const T* a = act + i * 3 * d;
             const T* hn = gh + i * 3 * d + 2 * d;

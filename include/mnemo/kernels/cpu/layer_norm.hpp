@@ -20,7 +20,7 @@ struct layer_norm {
     template <class T>
     static void layer_norm_normalize(index_t rows, index_t d, const T* x, index_t ldx, const T* mean, const T* rstd,
                                      T* z, index_t ldz) {
-        parallel_range(rows, rows * d >= 65536, [&](index_t i_begin, index_t i_end) {
+        parallel_range(rows, rows * d >= parallel_min_elements, [&](index_t i_begin, index_t i_end) {
             for (index_t i = i_begin; i < i_end; ++i) {
                 const T *xi = x + i * ldx, mu = mean[i], r = rstd[i];
                 T* zi = z + i * ldz;
@@ -102,7 +102,7 @@ struct layer_norm {
                 }
             }
         };
-        parallel_range(rows, rows * d >= 65536, [&](index_t i_begin, index_t i_end) {
+        parallel_range(rows, rows * d >= parallel_min_elements, [&](index_t i_begin, index_t i_end) {
             index_t i = i_begin;
             for (; i + 4 <= i_end; i += 4) rows_at_once.template operator()<4>(i);
             for (; i < i_end; ++i) rows_at_once.template operator()<1>(i);
@@ -117,7 +117,7 @@ struct layer_norm {
         using B = simd::batch<T>;
         const index_t nv = simd::full_batches<T>(d);
         if (dx) {
-            parallel_range(rows, rows * d >= 65536, [&](index_t i_begin, index_t i_end) {
+            parallel_range(rows, rows * d >= parallel_min_elements, [&](index_t i_begin, index_t i_end) {
             for (index_t i = i_begin; i < i_end; ++i) {
                 const T* xi = x + i * ldx;
                 const T* dyi = dy + i * lddy;
@@ -162,7 +162,7 @@ struct layer_norm {
             // Threads own column blocks; each sums its columns over all rows in row order.
             constexpr index_t block = 64;
             const index_t nblocks = (d + block - 1) / block;
-            parallel_range(nblocks, rows * d >= 65536, [&](index_t cb_begin, index_t cb_end) {
+            parallel_range(nblocks, rows * d >= parallel_min_elements, [&](index_t cb_begin, index_t cb_end) {
             for (index_t cb = cb_begin; cb < cb_end; ++cb) {
                 const index_t j0 = cb * block, j1 = std::min(d, j0 + block);
                 for (index_t i = 0; i < rows; ++i) {

@@ -24,6 +24,13 @@
 
 namespace mnemo {
 
+/// Elements (or multiply-adds) from which a streaming kernel (layer norm, elementwise, activation,
+/// compression, dropout) splits its rows over the threads. 2^15 takes in configuration A's segment
+/// (256 rows of d 128: its layer norms, residual adds and copies): A's step, Granite Rapids VM, 2
+/// threads, 8 interleaved pairs, 27.4-31.1 → 26.1-29.5 ms (serial time between regions 12.3% →
+/// 4.6%, tools/gomp_regions.c); 2^14 and 2^12 gained no more.
+inline constexpr index_t parallel_min_elements = index_t{1} << 15;
+
 /// Threads a loop of n items may use (1: run it on the calling thread).
 inline index_t parallel_threads(index_t n, bool worth_it) {
     return (worth_it && n > 1 && !omp_in_parallel()) ? std::min<index_t>(index_t(omp_get_max_threads()), n) : 1;
