@@ -16,22 +16,31 @@ namespace mnemo::cpu_kernels {
 
 struct reconstruction {
     /// diff[r, :] = a[r, :] − b[r, :] (0 on rows r with pad[r] != 0; pad null: none) and
-    /// sum[0] = Σ diff² over the other rows, in double, in row order (diff may be a's memory);
-    /// sum[1] = the number of those rows.
+    /// sum[0] = Σ diff² over the other rows, in double: each row's sum in SIMD lanes, the rows' sums
+    /// added in row order (diff may be a's memory); sum[1] = the number of those rows. One chain of
+    /// double adds over all elements took 4 cycles an element, serial: 0.7-1% of configurations A's
+    /// and B's training steps.
     template <class T>
     static void squared_difference_rows(index_t rows, index_t d, const T* a, index_t lda, const T* b, index_t ldb,
                                         const std::uint8_t* pad, T* diff, index_t ldd, double* sum) {
         double s = 0;
         index_t counted = 0;
         for (index_t r = 0; r < rows; ++r) {
-            const bool skip = pad && pad[r];
-            counted += !skip;
-            const T *ar = a + r * lda, *br = b + r * ldb;
             T* dr = diff + r * ldd;
-            for (index_t i = 0; i < d; ++i) {
-                dr[i] = skip ? T(0) : ar[i] - br[i];
-                if (!skip) s += double(dr[i]) * double(dr[i]);
+            if (pad && pad[r]) {
+                for (index_t i = 0; i < d; ++i) dr[i] = T(0);
+                continue;
             }
+            ++counted;
+            const T *ar = a + r * lda, *br = b + r * ldb;
+            double rs = 0;
+#pragma omp simd reduction(+ : rs)
+            for (index_t i = 0; i < d; ++i) {
+                const T v = ar[i] - br[i];
+                dr[i] = v;
+                rs += double(v) * double(v);
+            }
+            s += rs;
         }
         sum[0] = s;
         sum[1] = double(counted);
