@@ -1,6 +1,7 @@
 #pragma once
 // device_memory<cpu>: the CPU backend's storage. Host memory, 64-byte aligned, with transparent huge
 // pages asked for over big blocks; the host path (upload, download) is a plain copy.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -11,6 +12,7 @@
 #endif
 
 #include "../../core/backend.hpp"
+#include "parallel.hpp"
 
 namespace mnemo {
 
@@ -43,9 +45,20 @@ struct device_memory<cpu> {
     }
     /// bytes: the size it was allocated with (the alignment follows from it).
     static void deallocate(void* p, std::size_t bytes) noexcept { ::operator delete(p, alignment(bytes)); }
+    /// Zeroes [p, p + bytes); from fill_parallel_min_bytes on, one contiguous part per thread.
     static void fill_zero(void* p, std::size_t bytes) {
-        if (bytes) std::memset(p, 0, bytes);
+        if (!bytes) return;
+        constexpr std::size_t part = 4096;
+        const index_t parts = index_t((bytes + part - 1) / part);
+        char* c = static_cast<char*>(p);
+        parallel_range(parts, bytes >= fill_parallel_min_bytes, [&](index_t begin, index_t end) {
+            const std::size_t lo = std::size_t(begin) * part, hi = std::min(bytes, std::size_t(end) * part);
+            std::memset(c + lo, 0, hi - lo);
+        });
     }
+    /// A training step's zero_grad clears the gradients (configuration A 3 MB, B 19 MB) at 20-30
+    /// GB/s on one thread: ~0.7% of A's step serial (tools/gomp_regions.c).
+    static constexpr std::size_t fill_parallel_min_bytes = std::size_t(1) << 20;
     /// Within the backend; the ranges may overlap.
     static void copy(void* dst, const void* src, std::size_t bytes) {
         if (bytes) std::memmove(dst, src, bytes);
