@@ -56,9 +56,10 @@ struct device_memory<cpu> {
             std::memset(c + lo, 0, hi - lo);
         });
     }
-    /// A training step's zero_grad clears the gradients (configuration A 3 MB, B 19 MB) at 20-30
-    /// GB/s on one thread: ~0.7% of A's step serial (tools/gomp_regions.c).
-    static constexpr std::size_t fill_parallel_min_bytes = std::size_t(1) << 20;
+    /// zero_grad's fills before each training step (configuration A: six of 0.74 MB, B: 3 MB a
+    /// layer) took 0.5-0.7% of A's and B's steps on one thread (tools/gomp_regions.c); 512 KiB
+    /// is 20-25 µs of memset, several times a region's start and end.
+    static constexpr std::size_t fill_parallel_min_bytes = std::size_t(1) << 19;
     /// Within the backend; the ranges may overlap.
     static void copy(void* dst, const void* src, std::size_t bytes) {
         if (bytes) std::memmove(dst, src, bytes);

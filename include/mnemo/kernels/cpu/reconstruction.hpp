@@ -16,13 +16,14 @@ namespace mnemo::cpu_kernels {
 
 struct reconstruction {
     /// diff[r, :] = a[r, :] − b[r, :] (0 on rows r with pad[r] != 0; pad null: none) and
-    /// sum[0] = Σ diff² over the other rows, in double: each row's sum in SIMD lanes, the rows' sums
-    /// added in row order (diff may be a's memory); sum[1] = the number of those rows. One chain of
-    /// double adds over all elements took 4 cycles an element, serial: 0.7-1% of configurations A's
-    /// and B's training steps.
+    /// sum[0] = Σ diff² over the other rows, in double: each row's sum in eight partial sums (SIMD
+    /// lanes), the rows' sums added in row order (diff may be a's memory); sum[1] = the number of
+    /// those rows. One chain of double adds over all elements took 4 cycles an element, serial:
+    /// 0.7-1% of configurations A's and B's training steps.
     template <class T>
     static void squared_difference_rows(index_t rows, index_t d, const T* a, index_t lda, const T* b, index_t ldb,
                                         const std::uint8_t* pad, T* diff, index_t ldd, double* sum) {
+        constexpr index_t lanes = 8;
         double s = 0;
         index_t counted = 0;
         for (index_t r = 0; r < rows; ++r) {
@@ -33,14 +34,22 @@ struct reconstruction {
             }
             ++counted;
             const T *ar = a + r * lda, *br = b + r * ldb;
-            double rs = 0;
-#pragma omp simd reduction(+ : rs)
-            for (index_t i = 0; i < d; ++i) {
-                const T v = ar[i] - br[i];
-                dr[i] = v;
-                rs += double(v) * double(v);
+            // Eight partial sums, element i in partial i mod 8, added in a fixed order: the same bits whether d is known at compile time or not (a
+            // compiler-chosen reduction splits differently for the two).
+            double part[lanes] = {};
+            index_t i = 0;
+            for (; i + lanes <= d; i += lanes)
+                for (index_t l = 0; l < lanes; ++l) {
+                    const T v = ar[i + l] - br[i + l];
+                    dr[i + l] = v;
+                    part[l] += double(v) * double(v);
+                }
+            for (index_t l = 0; l < lanes && i + l < d; ++l) {
+                const T v = ar[i + l] - br[i + l];
+                dr[i + l] = v;
+                part[l] += double(v) * double(v);
             }
-            s += rs;
+            s += ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
         sum[0] = s;
         sum[1] = double(counted);
