@@ -228,23 +228,12 @@ public:
     void mark_changed() { ++version_; }
     /// Sets every gradient to +0: clears the live ranges (everything else is +0 already) and empties the
     /// touched rows of the row-sparse tensors.
-    /// Elements of gap (already +0) zero_grad clears rather than start another fill (64 KiB of float).
-    static constexpr index_t zero_grad_gap = 16384;
     void zero_grad() {
         T* g = grad_storage();
         if (all_touched_) {
             memory::fill_zero(g, bytes(total_));
         } else {
-            // Live runs at most zero_grad_gap apart are cleared as one (the gap is +0 already): fewer
-            // and larger fills, which the CPU's fill_zero splits over the threads (configuration A:
-            // one 0.74 MB fill a layer, between row-sparse tensors' untouched rows, not three).
-            const std::span<const flat_range> live = grad_live_ranges();
-            for (std::size_t i = 0; i < live.size();) {
-                const index_t begin = live[i].begin;
-                index_t end = live[i].end;
-                for (++i; i < live.size() && live[i].begin - end <= zero_grad_gap; ++i) end = live[i].end;
-                memory::fill_zero(g + begin, bytes(end - begin));
-            }
+            for (const flat_range& r : grad_live_ranges()) memory::fill_zero(g + r.begin, bytes(r.end - r.begin));
         }
         for (std::size_t i = 0; i < entries_.size(); ++i)
             if (entries_[i].sparsity != grad_sparsity::dense) touched_[i] = {};

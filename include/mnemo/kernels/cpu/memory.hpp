@@ -56,9 +56,9 @@ struct device_memory<cpu> {
             std::memset(c + lo, 0, hi - lo);
         });
     }
-    /// zero_grad's fills before each training step (configuration A: six of 0.74 MB, B: 3 MB a
-    /// layer) took 0.5-0.7% of A's and B's steps on one thread (tools/gomp_regions.c); 512 KiB
-    /// is 20-25 µs of memset, several times a region's start and end.
+    /// zero_grad's fills before each training step (configuration A: a 0.66 MB and a 78 KB run a
+    /// layer, B: 3 MB) took 0.5-0.7% of A's and B's steps on one thread (tools/gomp_regions.c);
+    /// 512 KiB is 20-25 µs of memset, several times a region's start and end.
     static constexpr std::size_t fill_parallel_min_bytes = std::size_t(1) << 19;
     /// Within the backend; the ranges may overlap.
     static void copy(void* dst, const void* src, std::size_t bytes) {
