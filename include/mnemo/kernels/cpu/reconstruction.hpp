@@ -34,21 +34,19 @@ struct reconstruction {
             }
             ++counted;
             const T *ar = a + r * lda, *br = b + r * ldb;
-            // Eight partial sums, element i in partial i mod 8, added in a fixed order: the same bits whether d is known at compile time or not (a
-            // compiler-chosen reduction splits differently for the two).
+            // Eight partial sums, element i in partial i mod 8, added in a fixed order: the same
+            // bits whether d is known at compile time or not (a compiler-chosen reduction splits
+            // differently for the two).
             double part[lanes] = {};
+            const auto element = [&](index_t j, index_t l) {
+                const T v = ar[j] - br[j];
+                dr[j] = v;
+                part[l] += double(v) * double(v);
+            };
             index_t i = 0;
             for (; i + lanes <= d; i += lanes)
-                for (index_t l = 0; l < lanes; ++l) {
-                    const T v = ar[i + l] - br[i + l];
-                    dr[i + l] = v;
-                    part[l] += double(v) * double(v);
-                }
-            for (index_t l = 0; l < lanes && i + l < d; ++l) {
-                const T v = ar[i + l] - br[i + l];
-                dr[i + l] = v;
-                part[l] += double(v) * double(v);
-            }
+                for (index_t l = 0; l < lanes; ++l) element(i + l, l);
+            for (index_t l = 0; l < lanes && i + l < d; ++l) element(i + l, l);
             s += ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
         sum[0] = s;
