@@ -265,6 +265,41 @@ TEST_CASE("compressive_transformer: training steps are bitwise the same on 1 and
     CHECK(grads[0] == grads[1]);
 }
 
+TEST_CASE("compressive_transformer: a recomputing generated token is bitwise the same on 1 and 2 threads") {
+    // Without the generation cache a token's attention takes the absorbed route over the whole memory
+    // at batch 1, where the memory's products [H, M]·ẑ and q̃·ẑᵀ split their columns over the threads
+    // (gemm::direct_split_min). d_model 512, 8 heads, M = 256: 1M multiply-adds each, at the threshold.
+    using m_t = mnemo::compressive_transformer<float, mnemo::config<512, 8, 4>>;
+    REQUIRE(index_t(8) * 256 * 512 >= mnemo::cpu_kernels::gemm::direct_split_min);
+    std::vector<float> logits[2];
+    for (int threads = 1; threads <= 2; ++threads) {
+        const int saved = omp_get_max_threads();
+        omp_set_num_threads(threads);
+        m_t model({.vocab = 11, .n_layers = 1, .d_ff = 32, .n_pos = 320});
+        model.reset_parameters(4);
+        randomize_model(model.parameters(), 21);  // u, R and S start at zero: give every term a value
+        model.cache_memory_projections(false);
+        model.set_grad_enabled(false);
+        auto mem = model.make_memory(64, 192);
+        mem.reset(1, 64);
+        for (int s = 0; s < 14; ++s) {  // 64 + 4·192 = 832 positions fill both memories
+            model.forward(random_tokens(64, 11, 80 + s), 1, mem);
+            model.update_memory(mem);
+        }
+        REQUIRE(mem.mem_slots() == 64);
+        REQUIRE(mem.c_mem_slots() == 192);
+        for (int t = 0; t < 6; ++t) {
+            const auto out = model.forward(random_tokens(1, 11, 90 + t), 1, mem);
+            CHECK(model.layer(0).self_attn().last_forward_absorbed());
+            logits[threads - 1].insert(logits[threads - 1].end(), out.data(), out.data() + out.size());
+            model.update_memory(mem);
+        }
+        omp_set_num_threads(saved);
+    }
+    REQUIRE(logits[0].size() == 6 * 11);
+    CHECK(logits[0] == logits[1]);
+}
+
 TEST_CASE("attention reconstruction: the model's loss reuses its forward's queries and normalised rows, bitwise") {
     // reconstruction_loss takes the attention's queries of h and the layer's LN of the rows the merge
     // compressed away (the oldest of [mem, x]) from the forward instead of recomputing them. The

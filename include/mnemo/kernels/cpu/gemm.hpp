@@ -371,6 +371,49 @@ struct gemm {
         gemm_nt_eigen(m, n, k, a, lda, b, ldb, c, ldc, beta, T(1));
     }
 
+    /// Multiply-adds from which gemm_{nn,nt}_direct_columns split C's columns over the threads.
+    /// The absorbed route's products at one query position and batch 1 (a recomputing generated
+    /// token: q̃·ẑᵀ and [H, M]·ẑ over the memory's rows) ran on one thread while the other waited.
+    /// Zen 5 VM, 2 threads, ten interleaved pairs (2026-12-02): C's (2.1M each) split, token 4.33 →
+    /// 4.04 ms (medians; faster in 9 of 10 pairs); B's (524K) split, 0.888 → 0.873 ms, within the
+    /// noise (5 of 10), so B's and A's (70K) stay on one thread.
+    static constexpr index_t direct_split_min = index_t(1) << 20;
+
+    /// gemm_nn_direct / gemm_nt_direct with C's columns (for nt: B's rows) split over the threads in
+    /// blocks of 64 when the product is large enough and the caller is not in a parallel region.
+    /// Only on the direct kernel, whose elements each sum over k in one chain wherever their tile
+    /// falls: a split keeps the bits. (Eigen's path, for double or without the packed GEMM, chooses
+    /// its K blocking from the shape, so it stays on one thread.)
+    template <class T>
+    static void gemm_nn_direct_columns(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb,
+                                       T* c, index_t ldc, T beta = T(0)) {
+        direct_columns<T>(m, n, k, [&](index_t j0, index_t j1) {
+            gemm_nn_direct(m, j1 - j0, k, a, lda, b + j0, ldb, c + j0, ldc, beta);
+        });
+    }
+    template <class T>
+    static void gemm_nt_direct_columns(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb,
+                                       T* c, index_t ldc, T beta = T(0)) {
+        direct_columns<T>(m, n, k, [&](index_t j0, index_t j1) {
+            gemm_nt_direct(m, j1 - j0, k, a, lda, b + j0 * ldb, ldb, c + j0, ldc, beta);
+        });
+    }
+
+    /// body(j0, j1) over C's columns [0, n): in blocks of 64 split over the threads (see
+    /// direct_split_min), or all at once on the calling thread.
+    template <class T, class Body>
+    static void direct_columns(index_t m, index_t n, index_t k, Body&& body) {
+        if (n <= 0) return;
+        bool split = false;
+#ifdef MNEMO_PACKED_GEMM
+        split = std::is_same_v<T, float> && m * n * k >= direct_split_min;
+#endif
+        constexpr index_t block = 64;
+        parallel_range((n + block - 1) / block, split, [&](index_t b0, index_t b1) {
+            body(b0 * block, std::min(n, b1 * block));
+        });
+    }
+
     /// C[M,N] = beta·C + alpha·A[M,K]·B[K,N]
     template <class T>
     static void gemm_nn(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
