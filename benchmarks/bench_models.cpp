@@ -9,9 +9,10 @@
 // Configurations A, B, C: model_shapes.hpp.
 // Counters: tokens/s, ms per step, GFLOP/s of the step's dense arithmetic (counted below), and
 // peak_frac, that rate over this machine's FP32 peak measured in the same process (peak.hpp).
-// Cached generation rows: MB/token, the bytes a token must read (generation_bytes below), bytes_read
-// (that per second), and
-// roofline_frac, that rate over this machine's read bandwidth measured in the same process.
+// Generation rows (cached and recomputing): MB/token, the bytes a token must read (generation_bytes
+// below), bytes_read (that per second), and roofline_frac, the token's time at the machine's limits
+// over its measured time: its bytes at the read bandwidth, or its arithmetic at the FP32 peak where
+// that takes longer, both measured in the same process.
 #include <benchmark/benchmark.h>
 #include <omp.h>
 
@@ -56,14 +57,15 @@ void add_peak_frac(benchmark::State& state, double flops_per_iter) {
     state.counters["peak_frac"] = benchmark::Counter(flops_per_iter / 1e9 / peak, benchmark::Counter::kIsIterationInvariantRate);
 }
 
-// The bytes one cached generation step (batch 1) must read at least, from the model's own parameter
-// list: every weight the token multiplies by in full; of the embedding table one row; of the
-// positional tables the rows of the distances the token sees (c_mem + mem + 1); the compression
-// function's weights over the rate (it runs once every `rate` tokens); and per memory layer the
-// cached projected keys and values of the memory, 2·(mem + c_mem)·D. Activations (a few rows of D and
-// d_ff) are left out.
+// The bytes one generation step (batch 1) must read at least, from the model's own parameter list:
+// every weight the token multiplies by in full; of the embedding table one row; of the positional
+// tables the rows of the distances the token sees (c_mem + mem + 1); the compression function's
+// weights over the rate (it runs once every `rate` tokens); and per memory layer what the token's
+// attention reads of the memory: with the cache (`cached`), the memory's projected keys and values,
+// 2·(mem + c_mem)·D; without it, the memory's rows themselves, (mem + c_mem)·D, which every key and
+// value comes from again. Activations (a few rows of D and d_ff) are left out.
 template <class Model>
-double generation_bytes(const Model& model, const shape& s) {
+double generation_bytes(const Model& model, const shape& s, bool cached) {
     const double keys = double(s.mem + s.c_mem + 1), rate = double(Model::config::compression_rate);
     const double d = double(Model::config::d_model);
     const auto has = [](const std::string& name, const char* part) { return name.find(part) != std::string::npos; };
@@ -78,17 +80,39 @@ double generation_bytes(const Model& model, const shape& s) {
         else
             elements += double(e.size);
     }
-    elements += double(model.n_memory_layers()) * 2 * double(s.mem + s.c_mem) * d;
+    elements += double(model.n_memory_layers()) * (cached ? 2 : 1) * double(s.mem + s.c_mem) * d;
     return elements * sizeof(float);
 }
 
-// bytes_read per second of a memory-bound row (bytes_per_iter each iteration) and roofline_frac, that rate over this
-// machine's read bandwidth measured in the same process at the same thread count (peak.hpp).
-void add_roofline_frac(benchmark::State& state, double bytes_per_iter) {
-    const double roofline = mnemo_bench::read_bandwidth_gbs(omp_get_max_threads());
+// Multiply-adds ×2 of one generated token (batch 1, one query position) for the route its attention
+// took. Cached: the memory's keys and values are not projected again, only the token's own.
+// Recomputing: forward_flops's count for one position, projected (every memory row's keys and
+// values) or absorbed (W_k and W_v folded into the query and the context).
+template <class Cfg>
+double generation_flops(const shape& s, bool cached, bool absorbed) {
+    shape one = s;
+    one.seq = 1;
+    one.batch = 1;
+    if (!cached) return forward_flops<Cfg>(one, absorbed);
+    const double D = double(Cfg::d_model), memory_rows = double(s.mem + s.c_mem);
+    // forward_flops without absorption counts the projections of every key position; take the
+    // memory's off.
+    return forward_flops<Cfg>(one, false) - double(s.n_layers) * 2 * memory_rows * D * D * 2;
+}
+
+// bytes_read per second of a generation row (bytes_per_iter each iteration) and roofline_frac: the
+// iteration's time at the machine's limits, the longer of its bytes at the read bandwidth and its
+// arithmetic at the FP32 peak (both measured in the same process at the same thread count,
+// peak.hpp), over the measured time. At batch 1 the bytes take longer on every route mnemo takes
+// (a token's arithmetic is about 2 FLOP per 4 bytes of weights); the peak term guards a projected
+// route, whose memory projections are arithmetic.
+void add_roofline_frac(benchmark::State& state, double bytes_per_iter, double flops_per_iter) {
+    const int threads = omp_get_max_threads();
+    const double bandwidth = mnemo_bench::read_bandwidth_gbs(threads) * 1e9;
+    const double peak = flops_per_iter > 0 ? mnemo_bench::peak_gflops(threads) * 1e9 : 1.0;
+    const double seconds = std::max(bytes_per_iter / bandwidth, flops_per_iter / peak);
     state.counters["bytes_read"] = benchmark::Counter(bytes_per_iter, benchmark::Counter::kIsIterationInvariantRate);
-    state.counters["roofline_frac"] =
-        benchmark::Counter(bytes_per_iter / 1e9 / roofline, benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["roofline_frac"] = benchmark::Counter(seconds, benchmark::Counter::kIsIterationInvariantRate);
     state.counters["MB/token"] = bytes_per_iter / 1e6;
 }
 
@@ -173,7 +197,8 @@ void BM_generate(benchmark::State& state, shape s, bool cached = true) {
     }
     state.counters["tokens/s"] = benchmark::Counter(1, benchmark::Counter::kIsIterationInvariantRate);
     state.counters["ms/token"] = benchmark::Counter(1e-3, benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
-    if (cached) add_roofline_frac(state, generation_bytes(model, s));
+    const bool absorbed = model.layer(0).self_attn().last_forward_absorbed();
+    add_roofline_frac(state, generation_bytes(model, s, cached), generation_flops<Cfg>(s, cached, absorbed));
 }
 
 // Scaling: the training step and per-token generation of configuration B's model (d_model 256, 8
