@@ -200,6 +200,10 @@ struct packed_tuning<packed_isa_avx512> {
     // of B and C: median 0.87 nn / 0.88 nt / 0.855 tn of peak). Column split up to 1024 rows, the 51
     // products on 2 threads (2 interleaved runs): 256 rows 0.64 → 0.71-0.81 of peak, 512 rows 0.74 →
     // 0.81, 1024 rows median 0.80 → 0.82; from 2048 rows the row split is ahead (0.86 against 0.82).
+    // Again on a Zen 5 VM (family 1Ah model 02h, peak 224 / 449 GFLOP/s) on 2026-12-02,
+    // BM_packed_blocking, medians of 5 interleaved runs, 2 / 1 threads: this setting 0.765 / 0.804,
+    // nc 4096 0.776 / 0.808, mc 126 0.765 / 0.802, mc 504 0.760 / 0.801, no column split 0.755 /
+    // 0.800, kc 384 (mc 378) 0.748 / 0.791, kc 256 (mc 504) 0.728 / 0.763: kept.
     static constexpr packed_blocking zen5{"zen5", 512, 252, 2048, 1024};
     // Zen 4 (32 KiB L1d, 1 MiB L2): Zen 5's values, not retuned; 0.85-0.88 of peak on the large GEMMs
     // of B and C measured with them on a 2-core Zen 4 VM in an earlier session.
