@@ -265,13 +265,15 @@ TEST_CASE("compressive_transformer: training steps are bitwise the same on 1 and
     CHECK(grads[0] == grads[1]);
 }
 
-TEST_CASE("compressive_transformer: a recomputing generated token is bitwise the same on 1 and 2 threads") {
+TEST_CASE("compressive_transformer: batch 1 over the absorbed memory is bitwise the same on 1 and 2 threads") {
     // Without the generation cache a token's attention takes the absorbed route over the whole memory
     // at batch 1, where the memory's products [H, M]·ẑ and q̃·ẑᵀ split their columns over the threads
     // (gemm::direct_split_min). d_model 512, 8 heads, M = 256: 1M multiply-adds each, at the threshold.
+    // A training segment of 4 positions at batch 1 then takes the same route with gradients (ẑ
+    // forward, its backward's products: 4M multiply-adds each).
     using m_t = mnemo::compressive_transformer<float, mnemo::config<512, 8, 4>>;
     REQUIRE(index_t(8) * 256 * 512 >= mnemo::cpu_kernels::gemm::direct_split_min);
-    std::vector<float> logits[2];
+    std::vector<float> logits[2], grads[2];
     for (int threads = 1; threads <= 2; ++threads) {
         const int saved = omp_get_max_threads();
         omp_set_num_threads(threads);
@@ -294,10 +296,17 @@ TEST_CASE("compressive_transformer: a recomputing generated token is bitwise the
             logits[threads - 1].insert(logits[threads - 1].end(), out.data(), out.data() + out.size());
             model.update_memory(mem);
         }
+        model.set_grad_enabled(true);
+        auto& ps = model.parameters();
+        ps.zero_grad();
+        model.train_segment(random_tokens(4, 11, 99), random_tokens(4, 11, 98), 1, mem);
+        CHECK(model.layer(0).self_attn().last_forward_absorbed());
+        grads[threads - 1].assign(ps.grads(), ps.grads() + ps.size());
         omp_set_num_threads(saved);
     }
     REQUIRE(logits[0].size() == 6 * 11);
     CHECK(logits[0] == logits[1]);
+    CHECK(grads[0] == grads[1]);
 }
 
 TEST_CASE("attention reconstruction: the model's loss reuses its forward's queries and normalised rows, bitwise") {

@@ -354,50 +354,42 @@ struct gemm {
     /// split over threads). Alone, with hot operands, those ran 1.1-1.5× Eigen and up to 1.15× the
     /// packed kernel (configuration A's 128-256-sided linears); inside A's training step, where the
     /// operands come from L3, 10-30% slower than packed, and the step no faster (17.4 → 17.6 ms).
+    /// Both split C's columns (for nt: B's rows) over the threads in blocks of 64 from
+    /// direct_split_min multiply-adds, when the caller is not in a parallel region (the absorbed
+    /// route's per-batch-element loop is one, from batch 2 on). Only on the direct kernel, whose
+    /// elements each sum over k in one chain wherever their tile falls: a split keeps the bits.
+    /// (Eigen's path, for double or without the packed GEMM, chooses its K blocking from the shape,
+    /// so it stays on one thread.)
     template <class T>
     static void gemm_nn_direct(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
                                index_t ldc, T beta = T(0)) {
+        direct_columns<T>(m, n, k, [&](index_t j0, index_t j1) {
 #ifdef MNEMO_PACKED_GEMM
-        if constexpr (std::is_same_v<T, float>) return gemm_direct::gemm_nn(m, n, k, a, lda, b, ldb, c, ldc, beta);
+            if constexpr (std::is_same_v<T, float>)
+                return gemm_direct::gemm_nn(m, j1 - j0, k, a, lda, b + j0, ldb, c + j0, ldc, beta);
 #endif
-        gemm_nn_eigen(m, n, k, a, lda, b, ldb, c, ldc, beta, T(1));
+            gemm_nn_eigen(m, j1 - j0, k, a, lda, b + j0, ldb, c + j0, ldc, beta, T(1));
+        });
     }
     template <class T>
     static void gemm_nt_direct(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
                                index_t ldc, T beta = T(0)) {
+        direct_columns<T>(m, n, k, [&](index_t j0, index_t j1) {
 #ifdef MNEMO_PACKED_GEMM
-        if constexpr (std::is_same_v<T, float>) return gemm_direct::gemm_nt(m, n, k, a, lda, b, ldb, c, ldc, beta);
+            if constexpr (std::is_same_v<T, float>)
+                return gemm_direct::gemm_nt(m, j1 - j0, k, a, lda, b + j0 * ldb, ldb, c + j0, ldc, beta);
 #endif
-        gemm_nt_eigen(m, n, k, a, lda, b, ldb, c, ldc, beta, T(1));
+            gemm_nt_eigen(m, j1 - j0, k, a, lda, b + j0 * ldb, ldb, c + j0, ldc, beta, T(1));
+        });
     }
 
-    /// Multiply-adds from which gemm_{nn,nt}_direct_columns split C's columns over the threads.
-    /// The absorbed route's products at one query position and batch 1 (a recomputing generated
-    /// token: q̃·ẑᵀ and [H, M]·ẑ over the memory's rows) ran on one thread while the other waited.
-    /// Zen 5 VM, 2 threads, ten interleaved pairs (2026-12-02): C's (2.1M each) split, token 4.33 →
-    /// 4.04 ms (medians; faster in 9 of 10 pairs); B's (524K) split, 0.888 → 0.873 ms, within the
-    /// noise (5 of 10), so B's and A's (70K) stay on one thread.
+    /// Multiply-adds from which gemm_{nn,nt}_direct split C's columns over the threads. The
+    /// absorbed route's products at one query position and batch 1 (a recomputing generated token:
+    /// q̃·ẑᵀ and [H, M]·ẑ over the memory's rows) ran on one thread while the other waited. Zen 5
+    /// VM, 2 threads, ten interleaved pairs (2026-12-02): C's (2.1M each) split, token 4.33 → 4.04
+    /// ms (medians; faster in 9 of 10 pairs); B's (524K) split, 0.888 → 0.873 ms, within the noise
+    /// (5 of 10), so B's and A's (70K) stay on one thread.
     static constexpr index_t direct_split_min = index_t(1) << 20;
-
-    /// gemm_nn_direct / gemm_nt_direct with C's columns (for nt: B's rows) split over the threads in
-    /// blocks of 64 when the product is large enough and the caller is not in a parallel region.
-    /// Only on the direct kernel, whose elements each sum over k in one chain wherever their tile
-    /// falls: a split keeps the bits. (Eigen's path, for double or without the packed GEMM, chooses
-    /// its K blocking from the shape, so it stays on one thread.)
-    template <class T>
-    static void gemm_nn_direct_columns(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb,
-                                       T* c, index_t ldc, T beta = T(0)) {
-        direct_columns<T>(m, n, k, [&](index_t j0, index_t j1) {
-            gemm_nn_direct(m, j1 - j0, k, a, lda, b + j0, ldb, c + j0, ldc, beta);
-        });
-    }
-    template <class T>
-    static void gemm_nt_direct_columns(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb,
-                                       T* c, index_t ldc, T beta = T(0)) {
-        direct_columns<T>(m, n, k, [&](index_t j0, index_t j1) {
-            gemm_nt_direct(m, j1 - j0, k, a, lda, b + j0 * ldb, ldb, c + j0, ldc, beta);
-        });
-    }
 
     /// body(j0, j1) over C's columns [0, n): in blocks of 64 split over the threads (see
     /// direct_split_min), or all at once on the calling thread.

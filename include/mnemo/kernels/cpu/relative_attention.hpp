@@ -369,8 +369,7 @@ private:
             for (index_t b = b0; b < b1; ++b) {
                 T* ab = attn + b * hq * k_len_;
                 if (!hat) {
-                    // memory scores (over the threads by columns when one batch element holds them all)
-                    K::gemm_nt_direct_columns(hq, mem, D, qt + b * D, ldb, z + b * ldz, ldzb, ab, k_len_);
+                    K::gemm_nt_direct(hq, mem, D, qt + b * D, ldb, z + b * ldz, ldzb, ab, k_len_);  // memory scores
                 } else {  // q̃·z_j = (q̃∘γ)·ẑ_j + q̃·β
                     T* qbeta = qg + hq * D;
                     for (index_t r = 0; r < hq; ++r) qbeta[r] = scale_row(qt + b * D + r * ldb, hat_.gamma, hat_.beta, qg + r * D);
@@ -379,7 +378,7 @@ private:
                         for (index_t j = 0; j < mem; ++j) ab[r * k_len_ + j] += qbeta[r];
                 }
                 for (index_t h = 0; h < H; ++h) head(b, h);
-                if (!hat) K::gemm_nn_direct_columns(hq, D, mem, ab, k_len_, z + b * ldz, ldzb, ut + b * D, ldb);  // U = A_mem·z
+                if (!hat) K::gemm_nn_direct(hq, D, mem, ab, k_len_, z + b * ldz, ldzb, ut + b * D, ldb);  // U = A_mem·z
                 else K::gemm_nn_direct(hq, D, mem, ab, k_len_, zhat_rows(hat_, b), ldhb, uh + b * D, ldb);  // Û
                 for (index_t r = 0; r < hq; ++r) {
                     const T* ar = ab + r * k_len_;
