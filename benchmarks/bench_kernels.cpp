@@ -6,6 +6,9 @@
 //   ./build/benchmarks/bench_kernels --benchmark_filter=gemm
 //
 // BM_read_bandwidth measures the DRAM read bandwidth, the roofline of memory-bound work (generation).
+// BM_parallel_region measures what one of mnemo's parallel regions costs with nothing in it (its
+// start and end, the time per iteration), and BM_cache_line_round_trip the hardware's floor under
+// it: one cache line handed from one thread to another and back.
 // BM_peak_fp32 measures the peak: independent FMA chains on registers, no memory traffic. The
 // GEMM rows report `peak_frac`, their GFLOP/s over the peak measured in the same run with the same
 // thread count. BM_gemm and BM_gemm_model go through K::gemm_*, i.e. the packed kernel (AVX-512 or
@@ -21,9 +24,11 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <mnemo/kernels/cpu/ops.hpp>
@@ -66,6 +71,47 @@ void BM_read_bandwidth(benchmark::State& state) {
     state.counters["read_GBps"] = gbs;  // best pass
     state.counters["threads"] = threads;
     state.SetLabel("bytes " + std::to_string(mnemo_bench::read_buffer_bytes >> 20) + " MiB");
+}
+
+// One empty region of parallel_range over `threads` threads a iteration: what every split kernel
+// pays on top of its work (a generated token opens about 47). Only the counter every row has (see
+// BM_peak_fp32 on CSV output); the time column is the region's cost.
+void BM_parallel_region(benchmark::State& state) {
+    const int threads = static_cast<int>(state.range(0));
+    omp_set_num_threads(threads);
+    std::atomic<index_t> sink{0};
+    for (auto _ : state)
+        mnemo::parallel_range(threads, true, [&](index_t begin, index_t) { sink.store(begin, std::memory_order_relaxed); });
+    omp_set_num_threads(omp_get_num_procs());
+    benchmark::DoNotOptimize(sink.load());
+    state.counters["threads"] = threads;
+}
+
+// A cache line handed to a second thread and back, both spinning: the least a region's start and
+// end together can cost (each is at least one such hand-off).
+void BM_cache_line_round_trip(benchmark::State& state) {
+    alignas(64) std::atomic<std::int64_t> flag{0};
+    std::atomic<bool> stop{false};
+    std::thread other([&] {
+        std::int64_t seen = 0;
+        while (!stop.load(std::memory_order_relaxed)) {
+            const std::int64_t v = flag.load(std::memory_order_acquire);
+            if (v != seen && v % 2 == 1) {
+                seen = v + 1;
+                flag.store(seen, std::memory_order_release);
+            }
+        }
+    });
+    std::int64_t v = 0;
+    for (auto _ : state) {
+        flag.store(++v, std::memory_order_release);
+        while (flag.load(std::memory_order_acquire) != v + 1) {
+        }
+        ++v;
+    }
+    stop.store(true);
+    other.join();
+    state.counters["threads"] = 2;
 }
 
 // C[M,N] = A·op(B) for the three forms; shape m × n × k.
@@ -356,6 +402,8 @@ void BM_gemm_packed_model(benchmark::State& state, form f) { BM_gemm(state, f, p
 
 BENCHMARK(BM_peak_fp32)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_read_bandwidth)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_parallel_region)->Arg(2)->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_cache_line_round_trip)->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK_CAPTURE(BM_gemm, nn, nn)->Apply(gemm_shapes)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_gemm, nt, nt)->Apply(gemm_shapes)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_gemm, tn, tn)->Apply(gemm_shapes)->UseRealTime()->Unit(benchmark::kMillisecond);
