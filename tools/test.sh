@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's test command: install what is missing, configure, build everything, run the suite;
-# then the suite again under ASan + UBSan (tools/sanitize.sh) and a short run of each fuzz harness
-# (tools/fuzz.sh, 15 s each).
+# then the allocation, kernel and model tests built with LLVM's OpenMP runtime, the suite again
+# under ASan + UBSan (tools/sanitize.sh) and a short run of each fuzz harness (tools/fuzz.sh, 15 s
+# each).
 #   tools/test.sh [build-dir]       (default: build; the sanitizer build goes to <build-dir>-asan)
 #   MNEMO_TEST_QUICK=1 tools/test.sh   the suite alone (no sanitizer build, no fuzzing)
 set -euo pipefail
@@ -17,6 +18,20 @@ echo "test.sh: $coverage"
 trap 'echo "test.sh: $coverage"' EXIT
 ctest --test-dir "$build" --output-on-failure -j "$jobs"
 if [ "${MNEMO_TEST_QUICK:-0}" = 1 ]; then exit 0; fi
+echo "test.sh: the allocation, kernel and model tests with LLVM's OpenMP runtime (-DMNEMO_OPENMP_RUNTIME=llvm)"
+t0=$SECONDS
+libomp_tests=(test_allocations test_kernels test_compressive)
+cmake -S . -B "$build-libomp" -DCMAKE_BUILD_TYPE=Release -DMNEMO_OPENMP_RUNTIME=llvm -DMNEMO_CUDA=OFF -DMNEMO_MPI=OFF \
+    -DMNEMO_BUILD_EXAMPLES=OFF -DMNEMO_BUILD_BENCHMARKS=OFF -DMNEMO_TEST_SECOND_ISA=OFF > /dev/null
+cmake --build "$build-libomp" -j "$jobs" --target "${libomp_tests[@]}"
+libs=$(ldd "$build-libomp/tests/test_kernels")
+if [[ $libs != *libomp.so* || $libs == *libgomp* ]]; then
+    echo "test.sh: $build-libomp/tests/test_kernels is not linked to libomp alone:" >&2
+    echo "$libs" >&2
+    exit 1
+fi
+ctest --test-dir "$build-libomp" --output-on-failure -j "$jobs" -R "^($(IFS='|'; echo "${libomp_tests[*]}"))\$"
+echo "test.sh: libomp build and run: $((SECONDS - t0)) s"
 echo "test.sh: the suite under AddressSanitizer + UndefinedBehaviorSanitizer"
 t0=$SECONDS
 tools/sanitize.sh "$build-asan"
