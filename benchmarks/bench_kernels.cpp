@@ -73,7 +73,7 @@ void BM_read_bandwidth(benchmark::State& state) {
     state.SetLabel("bytes " + std::to_string(mnemo_bench::read_buffer_bytes >> 20) + " MiB");
 }
 
-// One empty region of parallel_range over `threads` threads a iteration: what every split kernel
+// One empty region of parallel_range over `threads` threads an iteration: what every split kernel
 // pays on top of its work (a generated token opens about 47). Only the counter every row has (see
 // BM_peak_fp32 on CSV output); the time column is the region's cost.
 void BM_parallel_region(benchmark::State& state) {

@@ -4,7 +4,7 @@
 # under ASan + UBSan (tools/sanitize.sh) and a short run of each fuzz harness (tools/fuzz.sh, 15 s
 # each).
 #   tools/test.sh [build-dir]       (default: build; the sanitizer build goes to <build-dir>-asan)
-#   MNEMO_TEST_QUICK=1 tools/test.sh   the suite alone (no sanitizer build, no fuzzing)
+#   MNEMO_TEST_QUICK=1 tools/test.sh   the suite alone (no libomp build, no sanitizer build, no fuzzing)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
