@@ -381,3 +381,44 @@ TEST_CASE("relative_attention: one query position gives the same bits on 1, 2 an
         check_close("one query vs per-head route", one, last, 1e-5, 1e-5);
     }
 }
+
+TEST_CASE("relative_attention: a generated token's q, k and v from one product give the bits of three") {
+    // z_q the last rows of z_kv (the same memory): [W_q; W_k; W_v] in one product; z_q a copy of
+    // those rows: three. Over the memory's routes a generated token takes (absorbed, none, reused
+    // keys and values), batch 1 and 3.
+    using big = mnemo::config<128, 4>;
+    constexpr index_t Db = 128;
+    const index_t mem = 40, P = 128;
+    for (index_t B : {1, 3})
+        for (int route = 0; route < 3; ++route) {
+            INFO("batch " << B << ", route " << route);
+            mnemo::parameter_set<float> ps;
+            mnemo::relative_attention<float, big> attn(ps, "self_attn", P);
+            ps.allocate();
+            randomize_parameters(ps, 61, -0.3f, 0.3f);
+            const index_t m = route == 1 ? 0 : mem;  // memory positions
+            auto zkv = random_vector<float>((m + 1) * B * Db, 62);
+            const float* last = zkv.data() + m * B * Db;
+            const std::vector<float> copy(last, last + B * Db);
+            std::vector<float> out[2];
+            for (int aliased = 0; aliased < 2; ++aliased) {
+                mnemo::kv_reuse reuse;
+                if (route == 2) {  // a first forward projects every position; the second reuses all but the last
+                    attn.keep_projections(true);
+                    std::vector<float> first(std::size_t(B * Db));
+                    attn.forward(view<const float, Db>(copy.data(), B), view<const float, Db>(zkv.data(), (m + 1) * B), B,
+                                 view<float, Db>(first.data(), B));
+                    reuse.add(0, 0, m);
+                } else {
+                    attn.set_memory_attention(mnemo::memory_attention::absorbed);
+                }
+                out[aliased].assign(std::size_t(B * Db), 0.0f);
+                attn.forward(view<const float, Db>(aliased ? last : copy.data(), B),
+                             view<const float, Db>(zkv.data(), (m + 1) * B), B, view<float, Db>(out[aliased].data(), B),
+                             reuse);
+                if (route == 0) CHECK(attn.last_forward_absorbed());
+                CHECK(attn.last_forward_fused() == bool(aliased));
+            }
+            CHECK(out[0] == out[1]);
+        }
+}

@@ -11,6 +11,14 @@
 // nested region, while a region of several threads reuses the previous team.
 // Iterations must be independent, so results never depend on the thread count.
 //
+//   parallel_phases(worth_it, n1, first, n2, second);
+//
+// first(begin, end) over [0, n1) split as parallel_range splits it, then, once every thread is done
+// with its share, second(begin, end) over [0, n2): two loops where the second reads what any part of
+// the first wrote, in one region with a barrier between them. On the 2-core Zen 5 VM (g++ 12,
+// libgomp) two empty regions in a row took 7.0-7.1 µs and one with a barrier 4.7-5.2 (libomp: 3.8-4.0
+// and 2.3-2.4).
+//
 //   parallel_invoke(worth_it, f, g);
 //
 // f() and g() at the same time, one per thread (in order on one thread): two independent pieces of
@@ -49,6 +57,23 @@ inline void parallel_range(index_t n, bool worth_it, F&& body) {
         const index_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         const index_t begin = n * t / nt, end = n * (t + 1) / nt;
         if (begin < end) body(begin, end);
+    }
+}
+
+template <class F, class G>
+inline void parallel_phases(bool worth_it, index_t n1, F&& first, index_t n2, G&& second) {
+    const index_t threads = parallel_threads(std::max(n1, n2), worth_it);
+    if (threads <= 1) {
+        if (n1 > 0) first(index_t(0), n1);
+        if (n2 > 0) second(index_t(0), n2);
+        return;
+    }
+#pragma omp parallel num_threads(int(threads))
+    {
+        const index_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        if (n1 * t / nt < n1 * (t + 1) / nt) first(n1 * t / nt, n1 * (t + 1) / nt);
+#pragma omp barrier
+        if (n2 * t / nt < n2 * (t + 1) / nt) second(n2 * t / nt, n2 * (t + 1) / nt);
     }
 }
 

@@ -315,7 +315,8 @@ private:
         const index_t w = window(), ldkv = batch_ * 2 * D;
         constexpr index_t block = 64;
         const index_t blocks = (w + block - 1) / block;  // w = K + 1 covers the keys' rows too
-        parallel_range(batch_ * blocks, one_query_worth_threads(), [&](index_t i0, index_t i1) {
+        // The context needs every score of its heads: the two passes are the phases of one region.
+        const auto scores = [&](index_t i0, index_t i1) {
             for (index_t i = i0; i < i1; ++i) {
                 const index_t b = i / blocks, r0 = i % blocks * block;
                 // pos[h] [B, W]: row b of head h at h·B·W + b·W; attn [B, H, K]
@@ -323,8 +324,8 @@ private:
                 heads::dot_rows(index_t(Dk), H, r0, std::min(r0 + block, k_len_), qu + b * D, kv + b * 2 * D, ldkv,
                                attn + b * H * k_len_, k_len_);
             }
-        });
-        parallel_range(batch_ * H, one_query_worth_threads(), [&](index_t i0, index_t i1) {
+        };
+        const auto context = [&](index_t i0, index_t i1) {
             for (index_t i = i0; i < i1;) {  // the heads [h0, h1) of batch element b
                 const index_t b = i / H, h0 = i % H, h1 = std::min<index_t>(H, h0 + (i1 - i));
                 T* a = attn + b * H * k_len_;
@@ -332,7 +333,8 @@ private:
                 heads::weighted_rows(index_t(Dk), h0, h1, k_len_, a, k_len_, kv + b * 2 * D + D, ldkv, ctx + b * D);
                 i += h1 - h0;
             }
-        });
+        };
+        parallel_phases(one_query_worth_threads(), batch_ * blocks, scores, batch_ * H, context);
     }
 
     // Absorbed memory (z: the memory's rows): see nn/relative_attention.hpp. Locals qt, ut, uh, dut,

@@ -88,6 +88,12 @@ struct kv_reuse {
         if (r.n == 2 && r.spans[1].dst < r.spans[0].dst) std::swap(r.spans[0], r.spans[1]);
         return r;
     }
+    /// Whether a span covers position `pos` (its keys and values are reused, not projected).
+    bool covers(index_t pos) const {
+        for (index_t i = 0; i < n; ++i)
+            if (pos >= spans[i].dst && pos < spans[i].dst + spans[i].len) return true;
+        return false;
+    }
     /// f(begin, end) for every run of positions in [0, k_len) that no span covers, in order.
     template <class F>
     void for_each_gap(index_t k_len, F&& f) const {
@@ -161,6 +167,8 @@ public:
     memory_attention memory_attention_mode() const { return mode_; }
     /// Whether the last forward took the absorbed route.
     bool last_forward_absorbed() const { return absorbed_; }
+    /// Whether the last forward projected q, k and v in one product (a generated token; see qkv_fused).
+    bool last_forward_fused() const { return fused_; }
     /// Whether a forward of q_len query positions over k_len key positions without key/value reuse
     /// would take it. With norm rows given as well, such a forward never reads the memory rows of z_kv.
     bool would_absorb(index_t q_len, index_t k_len) const { return use_absorbed(q_len, k_len - q_len); }
@@ -200,9 +208,23 @@ public:
         const index_t qb = q_len_ * batch_, kb = k_len_ * batch_, w = window();
         view<T, d_model, Backend> q(q_.ensure(qb * D), qb, D), qu(qu_.ensure(qb * D), qb, D),
             ctx(ctx_.ensure(qb * D), qb, D);
-        query_.forward(zq, q);
         const index_t mem = k_len_ - q_len_;
         const bool absorb = !reuse.n && use_absorbed(q_len_, mem);
+        // A generated token (one query position, z_q the last rows of z_kv, whose keys and values this
+        // forward projects): q, k and v from one product with [W_q; W_k; W_v] (see qkv_fused).
+        const bool fuse = q_len_ == 1 && qkv_fused() && zq.ld() == zkv.ld() &&
+                          zq.data() == zkv.data() + (kb - qb) * zkv.ld() &&
+                          (reuse.n ? !reuse.covers(k_len_ - 1) : absorb || mem == 0);
+        fused_rows_ = nullptr;
+        fused_ = fuse;
+        if (fuse) {
+            T* qkv = qkv_.ensure(qb * 3 * D);
+            kernels::gemm_nt(qb, 3 * D, D, zq.data(), zq.ld(), query_.weight().value(), D, qkv, 3 * D);
+            kernels::copy(qb, D, qkv, 3 * D, q.data(), D);
+            fused_rows_ = zq.data();
+        } else {
+            query_.forward(zq, q);
+        }
         if (!reuse.n) kv_base_ = 0;
         T* kv = reuse.n ? reuse_kv(reuse, zkv.data(), zkv.ld()) : kv_.ensure(kb * 2 * D);  // row r: [k_r, v_r]
         if (!reuse.n) {
@@ -247,6 +269,7 @@ public:
                 st.thread_blocks = thread_blocks_.ensure(kernels::parallel_slots(batch_) * hq * (D + 1));
             }
         }
+        fused_rows_ = nullptr;
         kernels::template relative_attention_forward<extents>(st);
         output_.forward(ctx, out);
     }
@@ -484,10 +507,18 @@ private:
     /// would allocate the gradients of a model that only generates).
     bool kv_fused() const { return value_.weight().value() == key_.weight().value() + D * D; }
 
-    /// kv [rows, 2D] = [z·W_kᵀ, z·W_vᵀ + b_v]
+    /// W_k directly follows W_q, and W_v W_k: [W_q; W_k; W_v] is one [3D, D] matrix. A generated
+    /// token's three projections are then one matrix-vector product (one fork and join of the
+    /// threads instead of two; each output is the same dot product as apart, so the bits do not move).
+    bool qkv_fused() const { return kv_fused() && key_.weight().value() == query_.weight().value() + D * D; }
+
+    /// kv [rows, 2D] = [z·W_kᵀ, z·W_vᵀ + b_v]; for the query rows of a fused forward (fused_rows_),
+    /// copied from the product that gave q.
     void project_kv(index_t rows, const T* z, index_t ldz, T* kv) const {
         const T *wk = key_.weight().value(), *wv = value_.weight().value();
-        if (kv_fused()) {
+        if (z == fused_rows_ && rows == q_len_ * batch_) {
+            kernels::copy(rows, 2 * D, qkv_.data() + D, 3 * D, kv, 2 * D);
+        } else if (kv_fused()) {
             kernels::gemm_nt(rows, 2 * D, D, z, ldz, wk, D, kv, 2 * D);
         } else {
             kernels::gemm_nt(rows, D, D, z, ldz, wk, D, kv, 2 * D);
@@ -518,6 +549,10 @@ private:
     buffer<std::uint8_t, Backend> keep_any_;  // [B]: batch element b has a padded key
     // Saved by forward: q, q + u [Q·B, D]; [k, v] [K·B, 2D]; attention weights [B, H, Q, K]; context [Q·B, D].
     buffer<T, Backend> q_, qu_, kv_, attn_, ctx_;
+    // A fused forward's [q, k, v] rows [Q·B, 3D], and its z_q rows while forward runs (null otherwise).
+    buffer<T, Backend> qkv_;
+    const T* fused_rows_ = nullptr;
+    bool fused_ = false;  // the last forward was fused
     index_t kv_base_ = 0;  // kv_'s first position (reuse_kv slides it)
     // Scratch: positional scores / their gradient [H, Q·B, W]; backward's gradients.
     buffer<T, Backend> pos_, d_ctx_, dqu_, dq_, dkv_, d_scores_, col_sums_, frozen_g_, frozen_c_;
