@@ -44,6 +44,15 @@ inline index_t parallel_threads(index_t n, bool worth_it) {
     return (worth_it && n > 1 && !omp_in_parallel()) ? std::min<index_t>(index_t(omp_get_max_threads()), n) : 1;
 }
 
+namespace detail {
+/// body(begin, end) over thread t's block of [0, n) among nt (the static partition), if not empty.
+template <class F>
+inline void run_share(index_t n, index_t t, index_t nt, F& body) {
+    const index_t begin = n * t / nt, end = n * (t + 1) / nt;
+    if (begin < end) body(begin, end);
+}
+}  // namespace detail
+
 template <class F>
 inline void parallel_range(index_t n, bool worth_it, F&& body) {
     if (n <= 0) return;
@@ -53,27 +62,23 @@ inline void parallel_range(index_t n, bool worth_it, F&& body) {
         return;
     }
 #pragma omp parallel num_threads(int(threads))
-    {
-        const index_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const index_t begin = n * t / nt, end = n * (t + 1) / nt;
-        if (begin < end) body(begin, end);
-    }
+    detail::run_share(n, omp_get_thread_num(), omp_get_num_threads(), body);
 }
 
 template <class F, class G>
 inline void parallel_phases(bool worth_it, index_t n1, F&& first, index_t n2, G&& second) {
     const index_t threads = parallel_threads(std::max(n1, n2), worth_it);
     if (threads <= 1) {
-        if (n1 > 0) first(index_t(0), n1);
-        if (n2 > 0) second(index_t(0), n2);
+        detail::run_share(n1, 0, 1, first);
+        detail::run_share(n2, 0, 1, second);
         return;
     }
 #pragma omp parallel num_threads(int(threads))
     {
         const index_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        if (n1 * t / nt < n1 * (t + 1) / nt) first(n1 * t / nt, n1 * (t + 1) / nt);
+        detail::run_share(n1, t, nt, first);
 #pragma omp barrier
-        if (n2 * t / nt < n2 * (t + 1) / nt) second(n2 * t / nt, n2 * (t + 1) / nt);
+        detail::run_share(n2, t, nt, second);
     }
 }
 

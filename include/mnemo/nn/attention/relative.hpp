@@ -168,7 +168,7 @@ public:
     /// Whether the last forward took the absorbed route.
     bool last_forward_absorbed() const { return absorbed_; }
     /// Whether the last forward projected q, k and v in one product (a generated token; see qkv_fused).
-    bool last_forward_fused() const { return fused_; }
+    bool last_forward_fused() const { return fused_rows_ != nullptr; }
     /// Whether a forward of q_len query positions over k_len key positions without key/value reuse
     /// would take it. With norm rows given as well, such a forward never reads the memory rows of z_kv.
     bool would_absorb(index_t q_len, index_t k_len) const { return use_absorbed(q_len, k_len - q_len); }
@@ -216,7 +216,6 @@ public:
                           zq.data() == zkv.data() + (kb - qb) * zkv.ld() &&
                           (reuse.n ? !reuse.covers(k_len_ - 1) : absorb || mem == 0);
         fused_rows_ = nullptr;
-        fused_ = fuse;
         if (fuse) {
             T* qkv = qkv_.ensure(qb * 3 * D);
             kernels::gemm_nt(qb, 3 * D, D, zq.data(), zq.ld(), query_.weight().value(), D, qkv, 3 * D);
@@ -269,7 +268,6 @@ public:
                 st.thread_blocks = thread_blocks_.ensure(kernels::parallel_slots(batch_) * hq * (D + 1));
             }
         }
-        fused_rows_ = nullptr;
         kernels::template relative_attention_forward<extents>(st);
         output_.forward(ctx, out);
     }
@@ -549,10 +547,10 @@ private:
     buffer<std::uint8_t, Backend> keep_any_;  // [B]: batch element b has a padded key
     // Saved by forward: q, q + u [Q·B, D]; [k, v] [K·B, 2D]; attention weights [B, H, Q, K]; context [Q·B, D].
     buffer<T, Backend> q_, qu_, kv_, attn_, ctx_;
-    // A fused forward's [q, k, v] rows [Q·B, 3D], and its z_q rows while forward runs (null otherwise).
+    // A fused forward's [q, k, v] rows [Q·B, 3D]; the last forward's z_q rows if it was fused, else
+    // null (compared with project_kv's rows, never read).
     buffer<T, Backend> qkv_;
     const T* fused_rows_ = nullptr;
-    bool fused_ = false;  // the last forward was fused
     index_t kv_base_ = 0;  // kv_'s first position (reuse_kv slides it)
     // Scratch: positional scores / their gradient [H, Q·B, W]; backward's gradients.
     buffer<T, Backend> pos_, d_ctx_, dqu_, dq_, dkv_, d_scores_, col_sums_, frozen_g_, frozen_c_;
