@@ -16,6 +16,8 @@
 // OpenBLAS (a build with -DMNEMO_BLAS=ON) where gemm.hpp sends that shape (the label says which path
 // ran); BM_gemm_eigen_model always takes mnemo's Eigen path and BM_gemm_packed_model (AVX2 or AVX-512 builds)
 // always the packed kernel, both on 2 and 1 threads, so one run compares them.
+// BM_gemm_model_cold runs BM_gemm_model's products with the caches emptied before each (see
+// evict_caches), as a training step mostly finds its operands.
 //
 //   OMP_NUM_THREADS=2 ./build/benchmarks/bench_kernels --benchmark_filter=gemm.*model
 //                                                       the large GEMMs of configurations B and C
@@ -121,14 +123,32 @@ enum form { nn, nt, tn };
 // path, or the packed kernel (gemm_packed.hpp).
 enum class path { dispatch, eigen, packed };
 
-void BM_gemm(benchmark::State& state, form f, path p = path::dispatch) {
+// Cold operands (BM_gemm_model_cold): before each product, every thread reads its share of a
+// 128 MiB buffer, so that A, B and C come from DRAM, as a training step's products mostly find
+// them (the activations written a few products before, the weights once per step); only the
+// product is timed.
+constexpr std::size_t evict_floats = (std::size_t(128) << 20) / sizeof(float);
+void evict_caches(std::vector<float>& buffer) {
+    float sum = 0.0f;
+#pragma omp parallel for reduction(+ : sum) schedule(static)
+    for (std::size_t i = 0; i < buffer.size(); i += 16) sum += buffer[i];
+    benchmark::DoNotOptimize(sum);
+}
+
+void BM_gemm(benchmark::State& state, form f, path p = path::dispatch, bool cold = false) {
     const index_t m = state.range(0), n = state.range(1), k = state.range(2);
     const int threads = static_cast<int>(state.range(3));
     omp_set_num_threads(threads);
     auto a = filled(m * k, 0.5f), b = filled(k * n, 0.25f), c = filled(m * n, 0.0f);
+    std::vector<float> evict(cold ? evict_floats : 0, 1.0f);
     const double peak = peak_gflops(threads);  // measured before the timed loop
-    const auto t0 = std::chrono::steady_clock::now();
+    double seconds = 0.0;
+    auto t0 = std::chrono::steady_clock::now();
     for (auto _ : state) {
+        if (cold) {
+            evict_caches(evict);
+            t0 = std::chrono::steady_clock::now();
+        }
         if (p == path::eigen) {
             switch (f) {
                 case nn: K::gemm_nn_eigen(m, n, k, a.data(), k, b.data(), n, c.data(), n); break;
@@ -152,8 +172,13 @@ void BM_gemm(benchmark::State& state, form f, path p = path::dispatch) {
         }
         benchmark::DoNotOptimize(c.data());
         benchmark::ClobberMemory();
+        if (cold) {
+            const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+            state.SetIterationTime(dt);
+            seconds += dt;
+        }
     }
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (!cold) seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double flops = 2.0 * double(m) * double(n) * double(k);
     const double gflops = flops * static_cast<double>(state.iterations()) / seconds / 1e9;
     state.counters["GFLOPs"] = gflops;
@@ -393,6 +418,7 @@ void packed_blocking_sweep(benchmark::internal::Benchmark* b) {
 #endif
 
 void BM_gemm_model(benchmark::State& state, form f) { BM_gemm(state, f); }
+void BM_gemm_model_cold(benchmark::State& state, form f) { BM_gemm(state, f, path::dispatch, true); }
 void BM_gemm_eigen_model(benchmark::State& state, form f) { BM_gemm(state, f, path::eigen); }
 #ifdef MNEMO_PACKED_GEMM
 void BM_gemm_packed_model(benchmark::State& state, form f) { BM_gemm(state, f, path::packed); }
@@ -410,6 +436,9 @@ BENCHMARK_CAPTURE(BM_gemm, tn, tn)->Apply(gemm_shapes)->UseRealTime()->Unit(benc
 BENCHMARK_CAPTURE(BM_gemm_model, nn, nn)->Apply(model_gemm_shapes)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_gemm_model, nt, nt)->Apply(model_gemm_shapes)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_gemm_model, tn, tn)->Apply(model_gemm_shapes)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_gemm_model_cold, nn, nn)->Apply(model_gemm_shapes)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_gemm_model_cold, nt, nt)->Apply(model_gemm_shapes)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_gemm_model_cold, tn, tn)->Apply(model_gemm_shapes)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_gemm_eigen_model, nn, nn)->Apply(model_gemm_shapes_1_2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_gemm_eigen_model, nt, nt)->Apply(model_gemm_shapes_1_2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_gemm_eigen_model, tn, tn)->Apply(model_gemm_shapes_1_2)->UseRealTime()->Unit(benchmark::kMillisecond);
