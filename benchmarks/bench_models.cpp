@@ -153,8 +153,9 @@ void BM_train(benchmark::State& state, shape s) {
     const double tokens_per_step = double(s.seq * s.batch);
     state.counters["tokens/s"] = benchmark::Counter(tokens_per_step, benchmark::Counter::kIsIterationInvariantRate);
     state.counters["ms/step"] = benchmark::Counter(1e-3, benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
-    // forward + backward ≈ 3× the forward's arithmetic
-    const double flops = 3 * forward_flops<Cfg>(s, model.layer(0).self_attn().last_forward_absorbed());
+    // forward + backward ≈ 3× the forward's arithmetic, and the attention-reconstruction loss
+    const double flops = 3 * forward_flops<Cfg>(s, model.layer(0).self_attn().last_forward_absorbed()) +
+                         mnemo_bench::reconstruction_flops(s, double(Cfg::d_model), double(Cfg::compression_rate));
     state.counters["GFLOP/s"] = benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
     add_peak_frac(state, flops);
 }

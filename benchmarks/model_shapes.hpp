@@ -40,4 +40,23 @@ inline double forward_flops(const shape& s, double d_model, double heads, bool a
     return double(s.n_layers) * per_layer + 2 * rows * D * double(s.vocab);
 }
 
+/// Multiply-adds ×2 of one training step's attention-reconstruction loss (the Compressive
+/// Transformer's, losses/attention_reconstruction.hpp) in the steady state, where every layer
+/// compresses the seq·batch rows its memory evicts (`old` below) into old/rate slots, for d_model D
+/// and the compression rate c. Per layer:
+///   forward   f_c over the old rows (a kernel-c, stride-c convolution)  2·old·D²
+///             keys and values of m and of f_c(m)                         4·(old + old/c)·D²
+///             attn(h, m) and attn(h, f_c(m)): scores, weighted values    4·rows·(seq + seq/c)·D
+///   backward  (to f_c's weights only) attn(h, f_c(m)): dA, dV, dK        6·rows·(seq/c)·D
+///             d f_c(m) from dK and dV                                    4·(old/c)·D²
+///             f_c's weight gradient                                      2·old·D²
+/// (the queries are the attention's own, from the forward). Matches the products the step runs,
+/// tallied call by call (docs/performance.md, "What bench_models measures").
+inline double reconstruction_flops(const shape& s, double d_model, double rate) {
+    const double D = d_model, c = rate, rows = double(s.seq * s.batch), old = rows, seq = double(s.seq);
+    const double per_layer = 2 * old * D * D + 4 * (old + old / c) * D * D + 4 * rows * (seq + seq / c) * D
+                             + 6 * rows * (seq / c) * D + 4 * (old / c) * D * D + 2 * old * D * D;
+    return double(s.n_layers) * per_layer;
+}
+
 }  // namespace mnemo_bench
