@@ -340,9 +340,10 @@ template <class T, index_t Dk>
 void band_sweep(std::uint64_t& seed) {
     // (queries, keys, offset): B's per-head shape (memory 256 of 384 keys), keys past several stack
     // blocks with no memory, odd counts off every tile, fewer keys than queries see, and the
-    // general GEMM's side of the limits (the band is ignored there).
+    // general GEMM's side of the limits (its packed path skips the band by tiles: the last two, with
+    // two K blocks over the keys (nn) and over the queries (tn), nt split by columns).
     const index_t shapes[][3] = {{128, 384, 256}, {16, 300, 0}, {37, 70, 33}, {45, 40, 3}, {20, 17, 0},
-                                 {130, 200, 70}, {300, 800, 500}};
+                                 {130, 200, 70}, {300, 800, 500}, {600, 900, 300}};
     for (const auto& s : shapes) check_band<T, Dk>(s[0], s[1], s[2], seed++);
 }
 

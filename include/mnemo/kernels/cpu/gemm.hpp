@@ -94,6 +94,7 @@
 #endif
 
 #include "../../core/shape.hpp"
+#include "causal_keys.hpp"
 #include "gemm_direct.hpp"
 
 namespace mnemo::cpu_kernels {
@@ -410,6 +411,13 @@ struct gemm {
     template <class T>
     static void gemm_nn(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
                         index_t ldc, T beta = T(0), T alpha = T(1)) {
+        gemm_nn_banded(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha, causal_keys{});
+    }
+    /// gemm_nn over an attention head's causal band (head_products' general route): the packed path
+    /// skips the band's masked part (gemm_packed_t::run says how); BLAS and Eigen compute everything.
+    template <class T>
+    static void gemm_nn_banded(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
+                               index_t ldc, T beta, T alpha, causal_keys band) {
 #ifdef MNEMO_USE_BLAS
         if (use_blas<T>(m, n, k) && lda >= k && ldb >= n && ldc >= n) {
             blas_gemm(CblasNoTrans, CblasNoTrans, m, n, k, a, lda, b, ldb, c, ldc, beta, alpha);
@@ -419,7 +427,7 @@ struct gemm {
 #ifdef MNEMO_PACKED_GEMM
         if constexpr (std::is_same_v<T, float>) {
             if (use_packed(m, n, k)) {
-                gemm_nn_packed(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha);
+                gemm_nn_packed(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha, band);
                 return;
             }
         }
@@ -431,6 +439,12 @@ struct gemm {
     template <class T>
     static void gemm_nt(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
                         index_t ldc, T beta = T(0), T alpha = T(1)) {
+        gemm_nt_banded(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha, causal_keys{});
+    }
+    /// gemm_nt over an attention head's causal band (see gemm_nn_banded).
+    template <class T>
+    static void gemm_nt_banded(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
+                               index_t ldc, T beta, T alpha, causal_keys band) {
 #ifdef MNEMO_USE_BLAS
         if (use_blas<T>(m, n, k) && lda >= k && ldb >= k && ldc >= n) {
             blas_gemm(CblasNoTrans, CblasTrans, m, n, k, a, lda, b, ldb, c, ldc, beta, alpha);
@@ -440,7 +454,7 @@ struct gemm {
 #ifdef MNEMO_PACKED_GEMM
         if constexpr (std::is_same_v<T, float>) {
             if (use_packed(m, n, k)) {
-                gemm_nt_packed(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha);
+                gemm_nt_packed(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha, band);
                 return;
             }
         }
@@ -452,6 +466,12 @@ struct gemm {
     template <class T>
     static void gemm_tn(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
                         index_t ldc, T beta = T(0), T alpha = T(1)) {
+        gemm_tn_banded(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha, causal_keys{});
+    }
+    /// gemm_tn over an attention head's causal band (see gemm_nn_banded).
+    template <class T>
+    static void gemm_tn_banded(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
+                               index_t ldc, T beta, T alpha, causal_keys band) {
 #ifdef MNEMO_USE_BLAS
         if (use_blas<T>(m, n, k) && lda >= m && ldb >= n && ldc >= n) {
             blas_gemm(CblasTrans, CblasNoTrans, m, n, k, a, lda, b, ldb, c, ldc, beta, alpha);
@@ -461,7 +481,7 @@ struct gemm {
 #ifdef MNEMO_PACKED_GEMM
         if constexpr (std::is_same_v<T, float>) {
             if (use_packed(m, n, k)) {
-                gemm_tn_packed(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha);
+                gemm_tn_packed(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha, band);
                 return;
             }
         }
@@ -487,16 +507,19 @@ struct gemm {
 
     /// The packed path itself, whatever the shape (float only; AVX2 + FMA and AVX-512 builds).
     static void gemm_nn_packed(index_t m, index_t n, index_t k, const float* a, index_t lda, const float* b, index_t ldb,
-                               float* c, index_t ldc, float beta = 0.0f, float alpha = 1.0f) {
-        gemm_packed::run<gemm_packed::form::nn>(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha, threads_for(m, n, k));
+                               float* c, index_t ldc, float beta = 0.0f, float alpha = 1.0f, causal_keys band = {}) {
+        gemm_packed::run<gemm_packed::form::nn>(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha, threads_for(m, n, k),
+                                                gemm_packed::tuning(), band);
     }
     static void gemm_nt_packed(index_t m, index_t n, index_t k, const float* a, index_t lda, const float* b, index_t ldb,
-                               float* c, index_t ldc, float beta = 0.0f, float alpha = 1.0f) {
-        gemm_packed::run<gemm_packed::form::nt>(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha, threads_for(m, n, k));
+                               float* c, index_t ldc, float beta = 0.0f, float alpha = 1.0f, causal_keys band = {}) {
+        gemm_packed::run<gemm_packed::form::nt>(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha, threads_for(m, n, k),
+                                                gemm_packed::tuning(), band);
     }
     static void gemm_tn_packed(index_t m, index_t n, index_t k, const float* a, index_t lda, const float* b, index_t ldb,
-                               float* c, index_t ldc, float beta = 0.0f, float alpha = 1.0f) {
-        gemm_packed::run<gemm_packed::form::tn>(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha, threads_for(m, n, k));
+                               float* c, index_t ldc, float beta = 0.0f, float alpha = 1.0f, causal_keys band = {}) {
+        gemm_packed::run<gemm_packed::form::tn>(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha, threads_for(m, n, k),
+                                                gemm_packed::tuning(), band);
     }
 #endif
 

@@ -53,6 +53,7 @@
 //   0.72 / 0.77; 1 thread nn 0.77 / 0.85 / 0.88 against 0.77 / 0.80 / 0.85, nt 0.83 / 0.86 / 0.89
 //   against 0.75 / 0.81 / 0.86, tn 0.80 / 0.85 / 0.88 against 0.65 / 0.74 / 0.81. Packed ahead on
 //   98 of the 102 rows.
+#include "causal_keys.hpp"
 #include "cpu_model.hpp"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -464,10 +465,16 @@ struct gemm_packed_t {
     /// C [m, n] = beta·C + alpha·op(A)·op(B) (the forms of gemm.hpp: nn A [m, k] · B [k, n], nt A
     /// [m, k] · B [n, k]ᵀ, tn A [k, m]ᵀ · B [k, n]; row strides lda, ldb, ldc) on up to `threads`
     /// threads, blocked by `bl` (this machine's tuning() unless given). beta = 0 overwrites C
-    /// whatever it holds.
+    /// whatever it holds. `band` (an attention head's causal band, C's rows the queries): tiles skip
+    /// what no row of theirs sees. nt (scores, C [queries, keys]): tiles of keys beyond every row's
+    /// band are left unwritten. nn (context, k the keys): op(A)[i, p] is zero for p ≥ band.end(i + 1),
+    /// so a tile's k loop stops at its last row's end. tn (C [keys, ·], k the queries): op(A)[j, p]
+    /// is zero for p < band.first_query(j), so a tile's k loop starts at its first row's. Only exact
+    /// zeros are skipped: the sums are those of the whole product but the sign of a zero.
     template <form F>
     static void run(index_t m, index_t n, index_t k, const float* a, index_t lda, const float* b, index_t ldb, float* c,
-                    index_t ldc, float beta, float alpha, int threads, const packed_blocking& bl = tuning()) {
+                    index_t ldc, float beta, float alpha, int threads, const packed_blocking& bl = tuning(),
+                    causal_keys band = {}) {
         if (m <= 0 || n <= 0) return;
         if (k <= 0) {
             for (index_t i = 0; i < m; ++i)
@@ -485,6 +492,7 @@ struct gemm_packed_t {
         const bool by_cols = threads > 1 && m <= bl.col_split_rows && n >= 2 * nr * threads &&
                              double(m) * double(n) * double(k) >= col_split_min_work;
         const bool shared = threads > 1 && !by_cols && blocks * kc * nc <= shared_b_max;
+        const bool banded = !band.none();
         float* shared_b = shared ? thread_buffer(2, blocks * kc * nc) : nullptr;
         std::atomic<int>* states = shared ? task_states(blocks * tasks) : nullptr;
 
@@ -548,10 +556,26 @@ struct gemm_packed_t {
                                 panels = own_b;
                             }
                             for (index_t jr = j0; jr < j1; jr += nr)
-                                for (index_t ir = 0; ir < mb; ir += mr)
-                                    tile<a_stride_i, a_stride_p>(kb, ap + ir * a_ld, panels + (jr - j0) * kb,
-                                                                 c + (ic + ir) * ldc + jc + jr, ldc, std::min(mr, mb - ir),
+                                for (index_t ir = 0; ir < mb; ir += mr) {
+                                    const index_t rows = std::min(mr, mb - ir);
+                                    index_t skip = 0, depth = kb;  // the tile's part of this K block
+                                    if (banded) {
+                                        const index_t i0 = ic + ir, i1 = i0 + rows;
+                                        if constexpr (F == form::nt) {
+                                            if (jc + jr >= band.end(i1)) continue;  // no row sees these keys
+                                        } else if constexpr (F == form::nn) {
+                                            depth = std::clamp<index_t>(band.end(i1) - pc, 0, kb);
+                                        } else {
+                                            skip = std::clamp<index_t>(band.first_query(i0) - pc, 0, kb);
+                                            depth = kb - skip;
+                                        }
+                                        if (depth == 0 && up.load_c) continue;  // adds nothing to C
+                                    }
+                                    tile<a_stride_i, a_stride_p>(depth, ap + ir * a_ld + skip * a_stride_p,
+                                                                 panels + (jr - j0) * kb + skip * nr,
+                                                                 c + (ic + ir) * ldc + jc + jr, ldc, rows,
                                                                  std::min(nr, nb - jr), up);
+                                }
                         }
                     }
                 }

@@ -19,7 +19,8 @@
 //
 // Attention's products take a causal band (causal_keys: query row i sees keys up to offset + i): the
 // tiles then skip what a tile's rows cannot see, about a sixth of B's per-head work (memory 256,
-// segment 128), and give the same bits as without it.
+// segment 128), and give the same bits as without it; so does the general route's packed GEMM
+// (gemm_*_banded), by its own tiles (C's products, d_k 64, take that route).
 //
 // Every pointer is a row-major block with its own row stride (a head's columns inside [rows, D]
 // buffers). The kernels need d_k to be a whole number of SIMD vectors, at most 8 (`fits`). What
@@ -38,25 +39,11 @@
 #include <type_traits>
 
 #include "../../core/shape.hpp"
+#include "causal_keys.hpp"
 #include "gemm.hpp"
 #include "simd.hpp"
 
 namespace mnemo::cpu_kernels {
-
-/// Which keys each query row of an attention product can see: row i sees keys j < offset + i + 1
-/// (keys [memory, segment], offset = the memory's length less the product's first key). The
-/// register tiles skip what no row of a tile sees: nt leaves those scores unwritten (a softmax
-/// over the visible prefix never reads them); nn and tn skip the zero weights there (the masked
-/// attention weights and their gradients are exact zeros), adding nothing an FMA chain would
-/// change. The general GEMM computes everything. none: every key.
-struct causal_keys {
-    static constexpr index_t none_offset = index_t(1) << 50;
-    index_t offset = none_offset;
-    /// The keys any of the query rows before i_end sees: [0, end(i_end)).
-    constexpr index_t end(index_t i_end) const { return offset + i_end; }
-    /// The first query row that sees key j.
-    constexpr index_t first_query(index_t j) const { return std::max<index_t>(0, j - offset); }
-};
 
 struct head_products {
     /// The few-key nt kernel copies Y's rows (at most 16) to a stack block of this many; nn and tn
@@ -108,7 +95,7 @@ struct head_products {
             if (r == route::reduce) return head_nt<Dk>(m, n, x, ldx, y, ldy, s, lds);
             if (r == route::tiles) return head_nt_wide_impl<Dk>(Dk, m, n, x, ldx, y, ldy, s, lds, band);
         }
-        gemm::gemm_nt(m, n, Dk, x, ldx, y, ldy, s, lds);
+        gemm::gemm_nt_banded(m, n, Dk, x, ldx, y, ldy, s, lds, T(0), T(1), band);
     }
     /// O[M,Dk] = beta·O + A[M,N]·Y[N,Dk]
     template <index_t Dk, class T>
@@ -117,7 +104,7 @@ struct head_products {
         if constexpr (fits<T, Dk>)
             if (rows_route(m, n, Dk, true, beta))
                 return rows_product<Dk>(Dk, m, n, a, lda, 1, y, ldy, o, ldo, beta != T(0), band, true);
-        gemm::gemm_nn(m, Dk, n, a, lda, y, ldy, o, ldo, beta);
+        gemm::gemm_nn_banded(m, Dk, n, a, lda, y, ldy, o, ldo, beta, T(1), band);
     }
     /// O[N,Dk] = beta·O + A[M,N]ᵀ·X[M,Dk]
     template <index_t Dk, class T>
@@ -126,7 +113,7 @@ struct head_products {
         if constexpr (fits<T, Dk>)
             if (rows_route(m, n, Dk, false, beta))
                 return rows_product<Dk>(Dk, n, m, a, 1, lda, x, ldx, o, ldo, beta != T(0), band, false);
-        gemm::gemm_tn(n, Dk, m, a, lda, x, ldx, o, ldo, beta);
+        gemm::gemm_tn_banded(n, Dk, m, a, lda, x, ldx, o, ldo, beta, T(1), band);
     }
 
     /// The three dispatchers with a runtime d_k (the same routes, bitwise the same results).
@@ -138,21 +125,21 @@ struct head_products {
             if (r == route::reduce) return head_nt_impl<0>(dk, m, n, x, ldx, y, ldy, s, lds);
             if (r == route::tiles) return head_nt_wide_impl<0>(dk, m, n, x, ldx, y, ldy, s, lds, band);
         }
-        gemm::gemm_nt(m, n, dk, x, ldx, y, ldy, s, lds);
+        gemm::gemm_nt_banded(m, n, dk, x, ldx, y, ldy, s, lds, T(0), T(1), band);
     }
     template <class T>
     static void head_gemm_nn(index_t dk, index_t m, index_t n, const T* a, index_t lda, const T* y, index_t ldy, T* o,
                              index_t ldo, T beta = T(0), causal_keys band = {}) {
         if (fits_runtime<T>(dk) && rows_route(m, n, dk, true, beta))
             return rows_product<0>(dk, m, n, a, lda, 1, y, ldy, o, ldo, beta != T(0), band, true);
-        gemm::gemm_nn(m, dk, n, a, lda, y, ldy, o, ldo, beta);
+        gemm::gemm_nn_banded(m, dk, n, a, lda, y, ldy, o, ldo, beta, T(1), band);
     }
     template <class T>
     static void head_gemm_tn(index_t dk, index_t m, index_t n, const T* a, index_t lda, const T* x, index_t ldx, T* o,
                              index_t ldo, T beta = T(0), causal_keys band = {}) {
         if (fits_runtime<T>(dk) && rows_route(m, n, dk, false, beta))
             return rows_product<0>(dk, n, m, a, 1, lda, x, ldx, o, ldo, beta != T(0), band, false);
-        gemm::gemm_tn(n, dk, m, a, lda, x, ldx, o, ldo, beta);
+        gemm::gemm_tn_banded(n, dk, m, a, lda, x, ldx, o, ldo, beta, T(1), band);
     }
 
     /// S[i, j] = Σ_d X[i, d]·Y[j, d]
