@@ -417,7 +417,7 @@ struct gemm {
     /// skips the band's masked part (gemm_packed_t::run says how); BLAS and Eigen compute everything.
     template <class T>
     static void gemm_nn_banded(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
-                               index_t ldc, T beta, T alpha, causal_keys band) {
+                               index_t ldc, T beta, T alpha, [[maybe_unused]] causal_keys band) {
 #ifdef MNEMO_USE_BLAS
         if (use_blas<T>(m, n, k) && lda >= k && ldb >= n && ldc >= n) {
             blas_gemm(CblasNoTrans, CblasNoTrans, m, n, k, a, lda, b, ldb, c, ldc, beta, alpha);
@@ -444,7 +444,7 @@ struct gemm {
     /// gemm_nt over an attention head's causal band (see gemm_nn_banded).
     template <class T>
     static void gemm_nt_banded(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
-                               index_t ldc, T beta, T alpha, causal_keys band) {
+                               index_t ldc, T beta, T alpha, [[maybe_unused]] causal_keys band) {
 #ifdef MNEMO_USE_BLAS
         if (use_blas<T>(m, n, k) && lda >= k && ldb >= k && ldc >= n) {
             blas_gemm(CblasNoTrans, CblasTrans, m, n, k, a, lda, b, ldb, c, ldc, beta, alpha);
@@ -471,7 +471,7 @@ struct gemm {
     /// gemm_tn over an attention head's causal band (see gemm_nn_banded).
     template <class T>
     static void gemm_tn_banded(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
-                               index_t ldc, T beta, T alpha, causal_keys band) {
+                               index_t ldc, T beta, T alpha, [[maybe_unused]] causal_keys band) {
 #ifdef MNEMO_USE_BLAS
         if (use_blas<T>(m, n, k) && lda >= m && ldb >= n && ldc >= n) {
             blas_gemm(CblasTrans, CblasNoTrans, m, n, k, a, lda, b, ldb, c, ldc, beta, alpha);
