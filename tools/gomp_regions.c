@@ -4,14 +4,15 @@
 // any region (serial code), the time inside regions split into the slowest thread's work and the
 // starting and ending of the region, how long one thread waited for the other, and the regions
 // that took the most time by their outlined function (an offset into the executable), each with
-// the share of the window one of its threads spent waiting for the other (its imbalance), and the
+// the share of the window one of its threads spent waiting for the other (its imbalance) and each
+// thread's work in it (a thread slower on the same share shows in every region), and the
 // serial time before each region by the place GOMP_parallel was called from (the code that ran on
 // one thread lies between the region before and that call).
 //
 //   gcc -O2 -shared -fPIC tools/gomp_regions.c -o /tmp/gomp_regions.so -ldl
 //   LD_PRELOAD=/tmp/gomp_regions.so build/benchmarks/bench_models --benchmark_filter=BM_train_A/ --benchmark_min_time=6 2>regions.txt
 //   grep '^gomp_regions' regions.txt; grep '^region' regions.txt | sort -k2 -rn | head -20 |
-//       while read -r _ pct n off wait file; do echo "$pct $n $wait $(addr2line -f -C -e "$file" "$off" | head -1)"; done
+//       while read -r _ pct n off wait file w0 w1; do echo "$pct $n $wait $w0 $w1 $(addr2line -f -C -e "$file" "$off" | head -1)"; done
 //   grep '^serial' regions.txt | sort -k2 -rn | head -20 |
 //       while read -r _ pct n off file; do echo "$pct $n $(addr2line -f -i -C -e "$file" "$off" | sed -n 1p)"; done
 //
@@ -83,7 +84,7 @@ __attribute__((destructor)) static void report(void) {
     long counted = 0;
     enum { max_fns = 512 };
     void* fns[max_fns];
-    double fn_time[max_fns], fn_wait[max_fns];
+    double fn_time[max_fns], fn_wait[max_fns], fn_work0[max_fns], fn_work1[max_fns];
     long fn_count[max_fns];
     int n_fns = 0;
     void* sites[max_fns];  // serial time before each region, by the region's call site
@@ -112,10 +113,13 @@ __attribute__((destructor)) static void report(void) {
         while (f < n_fns && fns[f] != r->fn) ++f;
         if (f == n_fns) {
             if (n_fns == max_fns) continue;
-            fns[n_fns] = r->fn, fn_time[n_fns] = 0, fn_wait[n_fns] = 0, fn_count[n_fns] = 0, ++n_fns;
+            fns[n_fns] = r->fn, fn_time[n_fns] = 0, fn_wait[n_fns] = 0, fn_work0[n_fns] = 0, fn_work1[n_fns] = 0;
+            fn_count[n_fns++] = 0;
         }
         fn_time[f] += r->end - r->begin;
         fn_wait[f] += hi - lo;
+        fn_work0[f] += r->work[0];
+        fn_work1[f] += r->work[1];
         ++fn_count[f];
     }
     const double span = last - first;
@@ -133,8 +137,9 @@ __attribute__((destructor)) static void report(void) {
     for (int f = 0; f < n_fns; ++f) {
         Dl_info info;
         if (!dladdr(fns[f], &info)) continue;
-        fprintf(stderr, "region %.2f%% %ld 0x%lx %.2f%% %s\n", 100 * fn_time[f] / span, fn_count[f],
-                (unsigned long)((char*)fns[f] - (char*)info.dli_fbase), 100 * fn_wait[f] / span, info.dli_fname);
+        fprintf(stderr, "region %.2f%% %ld 0x%lx %.2f%% %s %.2f%% %.2f%%\n", 100 * fn_time[f] / span, fn_count[f],
+                (unsigned long)((char*)fns[f] - (char*)info.dli_fbase), 100 * fn_wait[f] / span, info.dli_fname,
+                100 * fn_work0[f] / span, 100 * fn_work1[f] / span);
     }
     for (int g = 0; g < n_sites; ++g) {
         Dl_info info;
