@@ -180,6 +180,36 @@ TEST_CASE("gemm: one- and two-row products (GEMVs) are bitwise the same on 1, 2 
     }
 }
 
+TEST_CASE("parallel_phases: each phase sees every write of the one before, on 1, 2 and 3 threads") {
+    // Four phases over different item counts; each item of a phase reads items of the phase before
+    // that other threads wrote (reversed, shifted), so a missing barrier shows as a wrong sum.
+    constexpr index_t n = 97;
+    const int saved = omp_get_max_threads();
+    for (int threads = 1; threads <= 3; ++threads) {
+        omp_set_num_threads(threads);
+        for (int round = 0; round < 20; ++round) {
+            std::vector<long> a(n, -1), b(n, -1), c(n / 2, -1), d(1, -1);
+            mnemo::parallel_phases(
+                true, n, [&](index_t i0, index_t i1) { for (index_t i = i0; i < i1; ++i) a[std::size_t(i)] = i; },
+                n, [&](index_t i0, index_t i1) { for (index_t i = i0; i < i1; ++i) b[std::size_t(i)] = a[std::size_t(n - 1 - i)] + 1; },
+                n / 2, [&](index_t i0, index_t i1) {
+                    for (index_t i = i0; i < i1; ++i) c[std::size_t(i)] = b[std::size_t(2 * i)] + b[std::size_t(2 * i + 1)];
+                },
+                1, [&](index_t i0, index_t i1) {
+                    for (index_t i = i0; i < i1; ++i) {
+                        long sum = 0;
+                        for (long v : c) sum += v;
+                        d[std::size_t(i)] = sum;
+                    }
+                });
+            long want = 0;
+            for (index_t i = 0; i < n / 2; ++i) want += (n - 1 - 2 * i) + 1 + (n - 2 - 2 * i) + 1;
+            CHECK(d[0] == want);
+        }
+    }
+    omp_set_num_threads(saved);
+}
+
 TEST_CASE("softmax: masked rows match a naive loop, including fully masked rows") {
     std::uint64_t seed = 100;
     for (index_t rows : {1, 3, 17, 40}) {

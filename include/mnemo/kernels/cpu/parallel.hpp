@@ -11,11 +11,11 @@
 // nested region, while a region of several threads reuses the previous team.
 // Iterations must be independent, so results never depend on the thread count.
 //
-//   parallel_phases(worth_it, n1, first, n2, second);
+//   parallel_phases(worth_it, n1, first, n2, second[, n3, third, ...]);
 //
 // first(begin, end) over [0, n1) split as parallel_range splits it, then, once every thread is done
-// with its share, second(begin, end) over [0, n2): two loops where the second reads what any part of
-// the first wrote, in one region with a barrier between them. On the 2-core Zen 5 VM (g++ 12,
+// with its share, second(begin, end) over [0, n2), and so on: loops where each reads what any part
+// of the one before wrote, in one region with a barrier between each two. On the 2-core Zen 5 VM (g++ 12,
 // libgomp) two empty regions in a row took 7.0-7.1 µs and one with a barrier 4.7-5.2 (libomp: 3.8-4.0
 // and 2.3-2.4).
 //
@@ -65,21 +65,35 @@ inline void parallel_range(index_t n, bool worth_it, F&& body) {
     detail::run_share(n, omp_get_thread_num(), omp_get_num_threads(), body);
 }
 
-template <class F, class G>
-inline void parallel_phases(bool worth_it, index_t n1, F&& first, index_t n2, G&& second) {
-    const index_t threads = parallel_threads(std::max(n1, n2), worth_it);
+namespace detail {
+inline index_t most_items() { return 0; }
+template <class F, class... Rest>
+inline index_t most_items(index_t n, F&, Rest&... rest) {
+    return std::max(n, most_items(rest...));
+}
+/// The phases' shares of thread t among nt, with a barrier between each two when nt > 1.
+template <class F, class... Rest>
+inline void run_phases(index_t t, index_t nt, index_t n, F& body, Rest&... rest) {
+    run_share(n, t, nt, body);
+    if constexpr (sizeof...(Rest) > 0) {
+        if (nt > 1) {
+#pragma omp barrier
+        }
+        run_phases(t, nt, rest...);
+    }
+}
+}  // namespace detail
+
+template <class F, class G, class... Rest>
+inline void parallel_phases(bool worth_it, index_t n1, F&& first, index_t n2, G&& second, Rest&&... rest) {
+    static_assert(sizeof...(Rest) % 2 == 0, "parallel_phases: (items, body) pairs");
+    const index_t threads = parallel_threads(detail::most_items(n1, first, n2, second, rest...), worth_it);
     if (threads <= 1) {
-        detail::run_share(n1, 0, 1, first);
-        detail::run_share(n2, 0, 1, second);
+        detail::run_phases(0, 1, n1, first, n2, second, rest...);
         return;
     }
 #pragma omp parallel num_threads(int(threads))
-    {
-        const index_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        detail::run_share(n1, t, nt, first);
-#pragma omp barrier
-        detail::run_share(n2, t, nt, second);
-    }
+    detail::run_phases(omp_get_thread_num(), omp_get_num_threads(), n1, first, n2, second, rest...);
 }
 
 template <class F, class G>
