@@ -450,10 +450,13 @@ private:
             for (index_t h = 0; h < heads; ++h) {
                 const T* xh = x + h * Dk;
                 const T* yh = y + r * ldy + h * Dk;
-                // The same head's part of the next W rows (a generated token's rows come from DRAM,
-                // W streams of d_k floats; past the end a prefetch never faults): see dot_rows_prefetch.
-                if constexpr (dot_rows_prefetch)
-                    for (index_t i = W; i < 2 * W; ++i) prefetch_row(yh + i * ldy, Dk);
+                // The same head's part of the next W rows: a generated token's rows come from DRAM,
+                // W streams of d_k floats (past the end a prefetch never faults). On the 2-core Zen 3
+                // VM (AVX2), C's one-token scores and context over 40 layers' cold rows (a scratch
+                // program, 30 interleaved rounds, 3 runs): 5-8% faster (mean 17.7 → 19.4, 15.9 → 17.1,
+                // 21.9 → 23.2 GB/s); the same for the value rows in heads_weighted_rows gained
+                // nothing. Not measured on AVX-512.
+                for (index_t i = W; i < 2 * W; ++i) prefetch_row(yh + i * ldy, Dk);
                 alignas(64) T sums[W];
                 if constexpr (Dk_ > 0) {
                     constexpr index_t CV = Dk_ / W;
@@ -547,12 +550,6 @@ private:
     // the row prefetch_ahead rows on (past the end: a prefetch never faults) overlaps the misses; the
     // pack of the keys was a third of the scores' time in configuration B's forward without it.
     static constexpr index_t prefetch_ahead = 8;
-    /// Whether heads_dot_rows prefetches each head's part of the next rows. On the 2-core Zen 3 VM
-    /// (AVX2), configuration C's one-token scores and context over 40 layers' cold rows (a scratch
-    /// program, 30 interleaved rounds, 3 runs): 5-8% faster (mean 17.7 → 19.4, 15.9 → 17.1,
-    /// 21.9 → 23.2 GB/s); prefetching the value rows in heads_weighted_rows too gained nothing.
-    /// Not measured on AVX-512.
-    static constexpr bool dot_rows_prefetch = true;
     template <class T>
     static void prefetch_row(const T* p, index_t n) {
         for (index_t i = 0; i < n; i += index_t(64 / sizeof(T))) __builtin_prefetch(p + i);

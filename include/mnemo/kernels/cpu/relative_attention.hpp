@@ -222,8 +222,9 @@ private:
     /// (12.6 MB a layer in configuration B), each product's output lines came from L3 or DRAM: B's
     /// 64 score products in turn ran at 0.45 of the peak against 0.78 for one head's block kept hot
     /// (BM_head_products/nt, one thread, Emerald Rapids VM), and B's training step on 2 threads
-    /// took 6-10% longer than with this block (docs/performance.md). Grown once, kept: a
-    /// steady-state call allocates nothing.
+    /// took 6-10% longer than with this block (docs/performance.md). one_query_forward keeps its
+    /// partial context rows in the calling thread's block, which the region's threads share (no
+    /// score block is in use on that route). Grown once, kept: a steady-state call allocates nothing.
     static T* score_block(index_t n) {
         thread_local std::vector<T, Eigen::aligned_allocator<T>> block;
         if (block.size() < std::size_t(n)) block.resize(std::size_t(n));
@@ -319,7 +320,7 @@ private:
         constexpr index_t block = one_query_block;
         const index_t blocks = (w + block - 1) / block;  // w = K + 1 covers the keys' rows too
         const index_t key_blocks = (k_len_ + block - 1) / block;
-        T* parts = one_query_parts(batch_ * key_blocks * D);  // [B, key_blocks, D]
+        T* parts = score_block(batch_ * key_blocks * D);  // [B, key_blocks, D], the calling thread's, shared
         const auto scores = [&](index_t i0, index_t i1) {
             for (index_t i = i0; i < i1; ++i) {
                 const index_t b = i / blocks, r0 = i % blocks * block;
@@ -359,13 +360,6 @@ private:
     /// blocks of 64 keys, 26.5 with heads_dot_rows' prefetch too; C's cached token in bench_models,
     /// 10 interleaved rounds, median 4.65 → 4.43 ms (B's within its noise).
     static constexpr index_t one_query_block = 64;
-    /// The calling thread's partial context rows of one_query_forward, at least n floats (shared with
-    /// the other threads of its region). Grown once, kept: a steady-state call allocates nothing.
-    static T* one_query_parts(index_t n) {
-        thread_local std::vector<T, Eigen::aligned_allocator<T>> parts;
-        if (parts.size() < std::size_t(n)) parts.resize(std::size_t(n));
-        return parts.data();
-    }
 
     // Absorbed memory (z: the memory's rows): see nn/relative_attention.hpp. Locals qt, ut, uh, dut,
     // dqt are q̃ (q_absorbed), U (mem_mix), Û (mem_mix_hat) and their gradients. Per head h, W_k,h and
