@@ -243,7 +243,10 @@ struct packed_tuning<packed_isa_avx2> {
     // the k loop unrolled: 2 threads, kc 512 with mc 48 / 72 / 96 / 144 / 252 0.65 / 0.67 / 0.68 /
     // 0.66 / 0.67, no column split 0.66, kc 384 (mc 96) 0.59, kc 256 (mc 144) 0.58; 1 thread every
     // kc-512 setting 0.69-0.73, kc 256-384 0.62-0.64, nc 2048 0.68 (and 0.42 on 2 threads in a noisy
-    // moment). Two sweeps before the unroll gave the same picture, about 0.08 lower.
+    // moment). Two sweeps before the unroll gave the same picture, about 0.08 lower. Again on
+    // 2026-12-03 (same VM kind, peak 103 / 206 GFLOP/s), one sweep: 2 threads mc 48 / 72 / 96 /
+    // 144 / 252 0.86 / 0.86 / 0.85 / 0.86 / 0.73, nc 2048 0.82, no column split 0.83, kc 384 0.80,
+    // kc 256 0.78; 1 thread 0.85-0.885 at kc 512, kc 256 0.81: kept.
     static constexpr packed_blocking zen3{"zen3 (zen2's values, measured)", 512, 72, 4096, 1024};
     // Zen 1 and others with AVX2 only: Zen 2's values, not measured on them (Zen 1 has the same L1d
     // and L2; its 256-bit FMAs are split in two, which halves the peak, not the blocking).
