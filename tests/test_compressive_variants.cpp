@@ -555,3 +555,55 @@ TEST_CASE("compressive_transformer: absorbed and projected memory attention trai
         CHECK_FALSE(abs.layer(0).self_attn().last_forward_absorbed());
     }
 }
+
+// On the absorbed route a layer keeps the normalised memory rows ẑ of the slots it has seen
+// (compressive_layer::keep_normalised_memory) and normalises only the new ones: training over a
+// memory whose contents are copied into a fresh memory before every segment (a new epoch: nothing
+// is kept) gives the same losses and gradients to the bit, while the memory fills, compresses and
+// drops slots, the window slides and restarts at its slab's front, for segments shorter than the
+// memory (uncompressed slots kept too) and as long as it (all replaced), and for Transformer-XL
+// (no compressed memory: the uncompressed slots slide the window).
+TEST_CASE("compressive_transformer: the kept normalised memory rows train bitwise as normalising them all") {
+    struct shape_case {
+        index_t q, mem_len, c_mem_len;
+    };
+    auto run = [&]<class Model>(std::initializer_list<shape_case> cases) {
+        for (const shape_case sc : cases) {
+            CAPTURE(sc.q);
+            CAPTURE(sc.mem_len);
+            CAPTURE(sc.c_mem_len);
+            Model kept(tiny_options(2)), fresh(tiny_options(2));
+            randomize_model(kept.parameters(), 83);
+            copy_by_name(kept.parameters(), fresh.parameters());
+            kept.set_memory_attention(mnemo::memory_attention::absorbed);
+            fresh.set_memory_attention(mnemo::memory_attention::absorbed);
+            const index_t batch = 2;
+            auto mk = kept.make_memory(sc.mem_len, sc.c_mem_len);
+            mk.reset(batch, sc.q);
+            for (int s = 0; s < 14; ++s) {
+                INFO("segment " << s);
+                // The fresh model's memory: the same slots under a new epoch.
+                auto mf = fresh.make_memory(sc.mem_len, sc.c_mem_len);
+                mf.reset(batch, sc.q);
+                mf.resize(mk.mem_slots(), mk.c_mem_slots());
+                for (index_t l = 0; l < mk.n_layers(); ++l) {
+                    std::copy(mk.mem(l).data(), mk.mem(l).data() + mk.mem(l).size(), mf.mem_data(l));
+                    std::copy(mk.c_mem(l).data(), mk.c_mem(l).data() + mk.c_mem(l).size(), mf.c_mem_data(l));
+                }
+                auto t = random_tokens(sc.q * batch, kept.vocab(), 500 + std::uint64_t(s));
+                auto y = random_tokens(sc.q * batch, kept.vocab(), 600 + std::uint64_t(s));
+                kept.parameters().zero_grad();
+                fresh.parameters().zero_grad();
+                const auto lk = kept.train_segment(t, y, batch, mk);
+                const auto lf = fresh.train_segment(t, y, batch, mf);
+                CHECK(lk.ce == lf.ce);
+                CHECK(lk.ar == lf.ar);
+                check_close("gradients", kept.parameters().grads(), fresh.parameters().grads(), kept.parameters().size(),
+                            0, 0);
+            }
+            CHECK(kept.layer(0).self_attn().last_forward_absorbed());
+        }
+    };
+    run.template operator()<model_t>({{3, 4, 3}, {2, 2, 5}, {1, 3, 2}});
+    run.template operator()<mnemo::compressive_transformer<double, tiny, mnemo::no_compression>>({{2, 5, 0}, {3, 3, 0}});
+}

@@ -83,6 +83,15 @@ enum class norm_kind { pre, post };
 /// The compression function's auxiliary loss: attention reconstruction (labml) or auto-encoding (the paper).
 enum class reconstruction_kind { attention, autoencoding };
 
+/// Which memory a layer's forward reads: the memory's epoch and the ids of its oldest compressed and
+/// uncompressed slots (compressive_memory: the same epoch and id mean the same contents); epoch 0:
+/// not known. A layer on the absorbed route keeps its normalised memory rows ẑ under these ids and
+/// normalises only the slots it has not seen (compressive_layer::forward).
+struct memory_identity {
+    std::uint64_t epoch = 0;
+    std::int64_t c_first = 0, m_first = 0;
+};
+
 /// What one compressive_layer is built with (compressive_transformer derives it from its options).
 struct compressive_layer_options {
     residual_kind residual = residual_kind::add;
@@ -135,9 +144,10 @@ public:
     }
 
     /// y [Q·B, D] = layer(x [Q·B, D]) attending over [c_mem, mem, x]. Saves what backward reads.
-    /// `reuse` names memory positions whose keys and values the attention may keep from the last call.
+    /// `reuse` names memory positions whose keys and values the attention may keep from the last call;
+    /// `ids` says which memory c_mem and mem are (the normalised rows of slots seen before are kept).
     void forward(view<const T, DM, Backend> x, view<const T, DM, Backend> c_mem, view<const T, DM, Backend> mem,
-                 index_t batch, view<T, DM, Backend> y, const kv_reuse& reuse = {}) {
+                 index_t batch, view<T, DM, Backend> y, const kv_reuse& reuse = {}, const memory_identity& ids = {}) {
         forward_grad_ = grad_enabled_;
         if (options_.norm == norm_kind::post) return forward_post(x, c_mem, mem, batch, y, reuse);
         const index_t qb = x.rows(), lc = c_mem.rows(), lb = lc + mem.rows(), kb = lb + qb;
@@ -151,16 +161,21 @@ public:
         // not read at all: only the others are normalised.
         // When the attention takes the absorbed route, which reads the memory through ẑ alone, the
         // memory rows of z are not written at all (normalised_memory_rows fills them on demand), and
-        // ẑ is laid out by batch element (frozen_key_rows::ld_batch), the way that route reads it.
+        // ẑ is laid out by batch element (frozen_key_rows::ld_batch), the way that route reads it,
+        // in a window sliding over each batch element's slab of positions (keep_normalised_memory):
+        // the slots the last forward normalised keep their rows, and only the others are normalised.
+        z_mem_unwritten_ = grad_enabled_ && !reuse.n && self_attn_.would_absorb(qb / batch, kb / batch);
+        // Memory positions [0, kept) hold the last forward's ẑ.
+        const index_t kept = z_mem_unwritten_ ? keep_normalised_memory(lc / batch, (lb - lc) / batch, batch, ids) : 0;
+        if (!z_mem_unwritten_) zhat_ids_ = {};
         view<T, DM, Backend> x_in(kv_in_.ensure(qb * D), qb, D), z(z_.ensure(kb * D), kb, D),
             zhat(zhat_.ensure(lb * D), lb, D);
-        z_mem_unwritten_ = grad_enabled_ && !reuse.n && self_attn_.would_absorb(qb / batch, kb / batch);
         auto normalise_part = [&](view<const T, DM, Backend> src, index_t first, index_t b0, index_t b1) {
             if (b0 >= b1) return;  // rows [b0, b1) of z, from src, which holds z's rows from `first` on
             const auto in = src.row_range(b0 - first, b1 - b0);
             if (z_mem_unwritten_) {
                 if constexpr (kernels::absorbs_memory)  // rows [b0, b1) are whole positions (c_mem, mem)
-                    norm_self_attn_.normalized_by_batch(in, zhat_.data() + b0 / batch * D, index_t(D), batch,
+                    norm_self_attn_.normalized_by_batch(in, zhat_rows() + b0 / batch * D, index_t(D), batch,
                                                         zhat_ld_batch());
             } else if (grad_enabled_) norm_self_attn_.forward_normalized(in, z.row_range(b0, b1 - b0), zhat.row_range(b0, b1 - b0));
             else norm_self_attn_.forward(in, z.row_range(b0, b1 - b0), norm_stats<T>{});
@@ -171,7 +186,7 @@ public:
         };
         c_rows_ = lc;
         all_normalised_ = grad_enabled_ || !reuse.n;
-        if (all_normalised_) normalise(0, lb);
+        if (all_normalised_) normalise(kept * batch, lb);
         else reuse.for_each_gap(lb / batch, [&](index_t p0, index_t p1) { normalise(p0 * batch, p1 * batch); });
         kernels::copy(qb, D, x.data(), x.ld(), x_in.data(), D);
         norm_self_attn_.forward(x_in, z.row_range(lb, qb), norm_stats<T>{mean_.ensure(qb), rstd_.ensure(qb)});
@@ -182,7 +197,7 @@ public:
         // same rows backward gives it as frozen).
         frozen_key_rows<T> norm_rows;
         if (grad_enabled_)
-            norm_rows = {lb, zhat_.data(), D, norm_self_attn_.weight().value(), norm_self_attn_.bias().value(),
+            norm_rows = {lb, zhat_rows(), D, norm_self_attn_.weight().value(), norm_self_attn_.bias().value(),
                          nullptr, nullptr, z_mem_unwritten_, zhat_ld_batch()};
         self_attn_.forward(z.row_range(lb, qb), z, batch, a, reuse, norm_rows);
         join(gate_attn_, x, a, x_mid);
@@ -221,7 +236,7 @@ public:
         }
         // z = LN([cm, m, x]): the memory rows need no input gradient, only the norm's parameter
         // gradients, which the attention takes from their normalised values ẑ (saved by forward).
-        const frozen_key_rows<T> frozen{lb, zhat_.data(), D, norm_self_attn_.weight().value(),
+        const frozen_key_rows<T> frozen{lb, zhat_rows(), D, norm_self_attn_.weight().value(),
                                         norm_self_attn_.bias().value(), norm_self_attn_.weight().grad(),
                                         norm_self_attn_.bias().grad(), false, zhat_ld_batch()};
         self_attn_.backward(z.row_range(lb, qb), z, da, dz.row_range(lb, qb), dz, /*accumulate_dq=*/true, frozen);
@@ -244,15 +259,18 @@ public:
             MNEMO_CHECK(n % batch_ == 0, "compressive_layer: ", n, " memory rows are not whole positions of ", batch_,
                         " batch elements");
             for (index_t b = 0; b < batch_; ++b)
-                kernels::scale_shift_rows(n / batch_, index_t(D), zhat_.data() + b * zhat_ld_batch() + c0 * D, index_t(D),
+                kernels::scale_shift_rows(n / batch_, index_t(D), zhat_rows() + b * zhat_ld_batch() + c0 * D, index_t(D),
                                           norm_self_attn_.weight().value(), norm_self_attn_.bias().value(), z + b * D,
                                           batch_ * index_t(D));
         }
         return z;
     }
-    /// ẑ's batch stride (frozen_key_rows::ld_batch): by batch element, [B, positions, D], when the
-    /// last forward left the memory rows of z unwritten (the absorbed route); 0, by position, otherwise.
-    index_t zhat_ld_batch() const { return z_mem_unwritten_ ? mem_rows_ / batch_ * index_t(D) : 0; }
+    /// ẑ's batch stride (frozen_key_rows::ld_batch): by batch element, a slab of zhat_slab_
+    /// positions each, when the last forward left the memory rows of z unwritten (the absorbed
+    /// route); 0, by position, otherwise.
+    index_t zhat_ld_batch() const { return z_mem_unwritten_ ? zhat_slab_ * index_t(D) : 0; }
+    /// The last forward's ẑ: its first memory position (of batch element 0 when by batch element).
+    T* zhat_rows() { return zhat_.data() + (z_mem_unwritten_ ? zhat_win_ * index_t(D) : 0); }
     /// Whether this layer keeps memory (and has a compression function).
     bool has_memory() const { return compress_.has_value(); }
     /// Key padding flags [K·B] for the next forward (relative_attention::set_key_padding); null: none.
@@ -287,6 +305,48 @@ private:
         return o;
     }
     index_t rate() const { return options_.shape.compression_rate; }
+
+    /// Places this forward's ẑ window (absorbed route: cc compressed and mc uncompressed slots of the
+    /// memory `ids`, batch elements of `batch`) and returns how many of its first positions hold the
+    /// rows the last forward left there: normalising a row again gives the same bits (each row's statistics are
+    /// its own), so only the others need it. The compressed slots held before and now stay where
+    /// they were: the window starts as many positions later as slots were dropped from the front
+    /// (a merge adds slots at the end of each part). The uncompressed slots kept are reused when
+    /// their positions then line up, which they do when the merge drops none (mem_len > seq,
+    /// nothing compressed yet); a segment of mem_len tokens replaces them all. A window that would
+    /// run past its slab starts at the front again, all rows normalised (every few segments: the
+    /// slab holds twice the positions). Configuration A normalises 12 of its 136 positions a segment.
+    index_t keep_normalised_memory(index_t cc, index_t mc, index_t batch, const memory_identity& ids) {
+        const index_t p = cc + mc;
+        const memory_identity last = zhat_ids_;
+        bool reuse = last.epoch != 0 && ids.epoch == last.epoch && batch == zhat_batch_ && 2 * p <= zhat_slab_;
+        if (2 * p > zhat_slab_) zhat_slab_ = 2 * p;  // grows while the memory fills; the kept rows' layout changes
+        zhat_.ensure(batch * zhat_slab_ * index_t(D));
+        index_t win = 0, kept = 0;
+        if (reuse) {
+            const std::int64_t c_hi = std::min(ids.c_first + cc, last.c_first + zhat_c_slots_);
+            if (cc == 0 && zhat_c_slots_ == 0) {  // no compressed memory: the uncompressed slots slide it
+                win = zhat_win_ + index_t(ids.m_first - last.m_first);
+            } else if (ids.c_first >= last.c_first && c_hi > ids.c_first) {  // compressed slots [0, c_hi − first) kept
+                win = zhat_win_ + index_t(ids.c_first - last.c_first);
+                kept = index_t(c_hi - ids.c_first);
+            }
+            // Uncompressed slot id x sits at window position cc + x − m_first now, zhat_c_slots_ + x −
+            // last.m_first then: kept when the absolute positions agree and the kept ones reach them.
+            const std::int64_t m_lo = std::max(ids.m_first, last.m_first),
+                               m_hi = std::min(ids.m_first + mc, last.m_first + zhat_m_slots_);
+            if (m_hi > m_lo && kept == cc &&
+                win + cc - ids.m_first == zhat_win_ + zhat_c_slots_ - last.m_first && m_lo == ids.m_first)
+                kept = cc + index_t(m_hi - ids.m_first);
+            if (win + p > zhat_slab_) win = kept = 0;
+        }
+        zhat_win_ = win;
+        zhat_ids_ = ids;
+        zhat_c_slots_ = cc;
+        zhat_m_slots_ = mc;
+        zhat_batch_ = batch;
+        return kept;
+    }
 
     /// out = x + f, or gate(x, f) (out may not alias x or f in the gate's case: the gate copies them first).
     static void join(std::optional<gate_type>& gate, view<const T, DM, Backend> x, view<const T, DM, Backend> f,
@@ -359,6 +419,11 @@ private:
     index_t c_rows_ = 0, batch_q_rows_ = 0;            // the last pre-LN forward's c_mem rows and query rows
     bool all_normalised_ = false;                      // ... and whether it normalised every row of z
     bool z_mem_unwritten_ = false;                     // ... or only ẑ for its memory rows (absorbed route)
+    // ẑ by batch element (absorbed route): slabs of zhat_slab_ positions, the last forward's rows at
+    // positions [zhat_win_, zhat_win_ + c_slots + m_slots) of each, for the memory `zhat_ids_`
+    // (epoch 0: none reusable) of batch zhat_batch_.
+    index_t zhat_slab_ = 0, zhat_win_ = 0, zhat_c_slots_ = 0, zhat_m_slots_ = 0, zhat_batch_ = 0;
+    memory_identity zhat_ids_;
     buffer<T, Backend> kv_in_, z_, zhat_, mean_, rstd_, attn_out_, x_mid_, z2_, ff_out_, d_mid_, dz2_, dz_, d_sub_;
 };
 
@@ -552,6 +617,7 @@ public:
         for (auto& x : xs_) x.ensure(rows * D);
         prepare_padding(mem, batch, rows);
         const kv_reuse reuse = memory_reuse(mem, batch);
+        const memory_identity ids{mem.epoch(), mem.c_mem_first_id(), mem.mem_first_id()};
         forward_grad_ = grad_enabled_;
         embed_.forward(tokens, x(0));
         for (index_t l = 0; l < options_.n_layers; ++l) {
@@ -561,7 +627,7 @@ public:
                 layer.forward(x(l), view<const T, DM, Backend>(), view<const T, DM, Backend>(), batch, x(l + 1));
                 continue;
             }
-            layer.forward(x(l), mem.c_mem(s), mem.mem(s), batch, x(l + 1), reuse);
+            layer.forward(x(l), mem.c_mem(s), mem.mem(s), batch, x(l + 1), reuse, ids);
             if constexpr (needs_usage) segment_usage(s, layer, mem);
         }
         last_ = {true, mem.epoch(), params_.version(), mem.c_mem_first_id(), mem.mem_first_id(), mem.c_mem_slots(),
