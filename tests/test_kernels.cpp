@@ -583,3 +583,32 @@ TEST_CASE("CPU memory: blocks from one huge page on start on a 2 MiB boundary, s
     for (index_t i = 0; i < small; ++i) kept = kept && p[i] == float(i % 977);
     CHECK(kept);
 }
+
+TEST_CASE("CPU memory: copy gives memmove's bytes for overlapping and apart ranges, moved down or up, on 1-3 "
+          "threads") {
+    using memory = mnemo::device_memory<mnemo::cpu>;
+    const std::size_t big = 3 * memory::copy_parallel_min_bytes + 12;  // split over the threads
+    const int saved = omp_get_max_threads();
+    // Gaps: a few rows (every part sets bytes aside), more than a part (one thread), apart (memcpy).
+    for (std::size_t bytes : {std::size_t(1000), memory::copy_parallel_min_bytes, big}) {
+        for (std::size_t gap : {std::size_t(4), std::size_t(12 * 1024) + 4, bytes / 2 + 4, bytes + 64}) {
+            for (bool up : {false, true}) {
+                for (int threads : {1, 2, 3}) {
+                    CAPTURE(bytes);
+                    CAPTURE(gap);
+                    CAPTURE(up);
+                    CAPTURE(threads);
+                    std::vector<unsigned char> got(bytes + gap), want;
+                    for (std::size_t i = 0; i < got.size(); ++i) got[i] = static_cast<unsigned char>((i * 7919 + i / 251) % 253);
+                    want = got;
+                    const std::size_t from = up ? 0 : gap, to = up ? gap : 0;
+                    std::memmove(want.data() + to, want.data() + from, bytes);
+                    omp_set_num_threads(threads);
+                    memory::copy(got.data() + to, got.data() + from, bytes);
+                    omp_set_num_threads(saved);
+                    CHECK(got == want);
+                }
+            }
+        }
+    }
+}

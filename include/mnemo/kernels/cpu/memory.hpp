@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <new>
+#include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -60,10 +61,49 @@ struct device_memory<cpu> {
     /// layer, B: 3 MB) took 0.5-0.7% of A's and B's steps on one thread (tools/gomp_regions.c);
     /// 512 KiB is 20-25 µs of memset, several times a region's start and end.
     static constexpr std::size_t fill_parallel_min_bytes = std::size_t(1) << 19;
-    /// Within the backend; the ranges may overlap.
+    /// Within the backend; the ranges may overlap. From copy_parallel_min_bytes on, one contiguous
+    /// part of the source per thread. Ranges that overlap by all but `gap` bytes (a window of rows
+    /// moved by a few rows) are split too when every part is at least `gap` long: each part but one
+    /// first sets aside the `gap` bytes whose destination is its neighbour's source, moves the rest
+    /// within its own part, and writes them after every part has been read. The bytes are those of
+    /// memmove whatever the threads.
     static void copy(void* dst, const void* src, std::size_t bytes) {
-        if (bytes) std::memmove(dst, src, bytes);
+        if (!bytes || dst == src) return;
+        char* d = static_cast<char*>(dst);
+        const char* s = static_cast<const char*>(src);
+        const bool up = d > s;
+        const std::size_t gap = up ? std::size_t(d - s) : std::size_t(s - d);
+        const index_t threads = parallel_threads(index_t(bytes / copy_part_min_bytes), bytes >= copy_parallel_min_bytes);
+        if (threads <= 1 || (gap < bytes && gap > bytes / std::size_t(threads))) {
+            std::memmove(d, s, bytes);
+            return;
+        }
+#pragma omp parallel num_threads(int(threads))
+        {
+            const std::size_t t = std::size_t(omp_get_thread_num()), nt = std::size_t(omp_get_num_threads());
+            const std::size_t lo = bytes * t / nt, hi = bytes * (t + 1) / nt;  // this part of the source
+            if (gap >= bytes) {  // apart: no part's destination is another's source
+                std::memcpy(d + lo, s + lo, hi - lo);
+            } else {
+                // Moving down, part t's first gap bytes go to part t − 1's last; moving up, part t's
+                // last gap bytes go to part t + 1's first. Part 0 (down) or the last part (up) has
+                // no such neighbour.
+                const bool edge = up ? t + 1 < nt : t > 0;
+                const std::size_t aside = edge ? (up ? hi - gap : lo) : 0;  // offset of the bytes set aside
+                char* keep = edge ? set_aside(gap) : nullptr;
+                if (edge) std::memcpy(keep, s + aside, gap);
+                const std::size_t a = edge && !up ? lo + gap : lo, b = edge && up ? hi - gap : hi;
+                std::memmove(d + a, s + a, b - a);
+#pragma omp barrier
+                if (edge) std::memcpy(d + aside, keep, gap);
+            }
+        }
     }
+    /// Bytes from which copy splits over the threads (a generated token of configuration C moves
+    /// 1 MiB of a layer's cached keys and values when the memory compresses), and the least each
+    /// thread's part gets.
+    static constexpr std::size_t copy_parallel_min_bytes = std::size_t(1) << 19;
+    static constexpr std::size_t copy_part_min_bytes = std::size_t(1) << 18;
     static void upload(void* dst, const void* host, std::size_t bytes) {
         if (bytes) std::memcpy(dst, host, bytes);
     }
@@ -72,6 +112,12 @@ struct device_memory<cpu> {
     }
 
 private:
+    /// This thread's block of at least n bytes for copy's set-aside bytes; grown once, kept.
+    static char* set_aside(std::size_t n) {
+        thread_local std::vector<char> block;
+        if (block.size() < n) block.resize(n);
+        return block.data();
+    }
     static std::align_val_t alignment(std::size_t bytes) {
         return std::align_val_t{bytes >= huge_page_min_bytes ? huge_page_bytes : buffer_alignment};
     }
