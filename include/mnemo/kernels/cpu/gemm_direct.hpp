@@ -15,7 +15,8 @@
 //   two vectors outside, row tiles inside: a block of B comes from memory for the first row tile and
 //   from L1 for the others (on AVX-512 the tile prefetches B's rows Isa::direct_prefetch steps
 //   ahead: the first row tile's reads of a block from L3 otherwise wait on each line). Rows are
-//   cut into tiles of equal height (AVX-512, 32 → 11, 11, 10; not 14 + 14 + 4).
+//   cut into tiles of equal height, give or take a row (AVX-512, 32 → 11, 11, 10, not 14 + 14 + 4;
+//   AVX2, 32 → 6, 6, 5, 5, 5, 5, not 6 · 5 + 2: a 2-row tile's 4 FMA chains run at half the rate).
 // gemm_nt: C[M,N] = beta·C + A[M,K]·B[N,K]ᵀ, as Cᵀ = B·Aᵀ on the kernel above: 2·lanes rows of A at a
 //   time are transposed (lanes × lanes in registers) into a [K, 2·lanes] block, the rows of B are the
 //   kernel's broadcast side (each read once), and the [N, 2·lanes] result is transposed into C. The
@@ -90,13 +91,15 @@ struct gemm_direct_t {
     static void gemm_nn(index_t m, index_t n, index_t k, const float* a, index_t lda, const float* b, index_t ldb,
                         float* c, index_t ldc, float beta = 0.0f) {
         if (m <= 0 || n <= 0) return;
-        const index_t tiles = (m + mr_max - 1) / mr_max, height = (m + tiles - 1) / tiles;
+        // The first m % tiles tiles take one row more than the others.
+        const index_t tiles = (m + mr_max - 1) / mr_max, height = m / tiles, taller = m % tiles;
         for (index_t j = 0; j < n; j += nr) {
             const index_t cols = std::min(nr, n - j);
-            for (index_t i = 0; i < m; i += height) {
-                const index_t rows = std::min(height, m - i);
+            for (index_t t = 0, i = 0; t < tiles; ++t) {
+                const index_t rows = height + (t < taller ? 1 : 0);
                 if (cols > lanes) tile_rows<true>(rows, k, a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc, cols, beta);
                 else tile_rows<false>(rows, k, a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc, cols, beta);
+                i += rows;
             }
         }
     }
