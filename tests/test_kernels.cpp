@@ -599,7 +599,8 @@ TEST_CASE("CPU memory: copy gives memmove's bytes for overlapping and apart rang
                     CAPTURE(up);
                     CAPTURE(threads);
                     std::vector<unsigned char> got(bytes + gap), want;
-                    for (std::size_t i = 0; i < got.size(); ++i) got[i] = static_cast<unsigned char>((i * 7919 + i / 251) % 253);
+                    for (std::size_t i = 0; i < got.size(); ++i)
+                        got[i] = static_cast<unsigned char>((i * 7919 + i / 251) % 253);
                     want = got;
                     const std::size_t from = up ? 0 : gap, to = up ? gap : 0;
                     std::memmove(want.data() + to, want.data() + from, bytes);

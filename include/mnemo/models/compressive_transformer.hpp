@@ -308,8 +308,9 @@ private:
 
     /// Places this forward's ẑ window (absorbed route: cc compressed and mc uncompressed slots of the
     /// memory `ids`, batch elements of `batch`) and returns how many of its first positions hold the
-    /// rows the last forward left there: normalising a row again gives the same bits (each row's statistics are
-    /// its own), so only the others need it. The compressed slots held before and now stay where
+    /// rows the last forward left there: normalising a row again gives the same bits (each row's
+    /// statistics are its own), so only the others need it. The compressed slots held before and now
+    /// stay where
     /// they were: the window starts as many positions later as slots were dropped from the front
     /// (a merge adds slots at the end of each part). The uncompressed slots kept are reused when
     /// their positions then line up, which they do when the merge drops none (mem_len > seq,
@@ -319,7 +320,7 @@ private:
     index_t keep_normalised_memory(index_t cc, index_t mc, index_t batch, const memory_identity& ids) {
         const index_t p = cc + mc;
         const memory_identity last = zhat_ids_;
-        bool reuse = last.epoch != 0 && ids.epoch == last.epoch && batch == zhat_batch_ && 2 * p <= zhat_slab_;
+        const bool reuse = last.epoch != 0 && ids.epoch == last.epoch && batch == zhat_batch_ && 2 * p <= zhat_slab_;
         if (2 * p > zhat_slab_) zhat_slab_ = 2 * p;  // grows while the memory fills; the kept rows' layout changes
         zhat_.ensure(batch * zhat_slab_ * index_t(D));
         index_t win = 0, kept = 0;
@@ -327,16 +328,15 @@ private:
             const std::int64_t c_hi = std::min(ids.c_first + cc, last.c_first + zhat_c_slots_);
             if (cc == 0 && zhat_c_slots_ == 0) {  // no compressed memory: the uncompressed slots slide it
                 win = zhat_win_ + index_t(ids.m_first - last.m_first);
-            } else if (ids.c_first >= last.c_first && c_hi > ids.c_first) {  // compressed slots [0, c_hi − first) kept
+            } else if (c_hi > ids.c_first) {  // compressed slots [0, c_hi − c_first) kept
                 win = zhat_win_ + index_t(ids.c_first - last.c_first);
                 kept = index_t(c_hi - ids.c_first);
             }
-            // Uncompressed slot id x sits at window position cc + x − m_first now, zhat_c_slots_ + x −
-            // last.m_first then: kept when the absolute positions agree and the kept ones reach them.
-            const std::int64_t m_lo = std::max(ids.m_first, last.m_first),
-                               m_hi = std::min(ids.m_first + mc, last.m_first + zhat_m_slots_);
-            if (m_hi > m_lo && kept == cc &&
-                win + cc - ids.m_first == zhat_win_ + zhat_c_slots_ - last.m_first && m_lo == ids.m_first)
+            // (Ids only grow within an epoch: the slots kept are the oldest now.) Uncompressed slot id x
+            // sits at window position cc + x − m_first now, zhat_c_slots_ + x − last.m_first then:
+            // kept when the absolute positions agree and the compressed ones are all kept.
+            const std::int64_t m_hi = std::min(ids.m_first + mc, last.m_first + zhat_m_slots_);
+            if (m_hi > ids.m_first && kept == cc && win + cc - ids.m_first == zhat_win_ + zhat_c_slots_ - last.m_first)
                 kept = cc + index_t(m_hi - ids.m_first);
             if (win + p > zhat_slab_) win = kept = 0;
         }

@@ -408,7 +408,8 @@ private:
                 else K::gemm_nn_direct(hq, D, mem, ab, k_len_, zhat_rows(hat_, b), ldhb, uh + b * D, ldb);  // Û
                 for (index_t r = 0; r < hq; ++r) {
                     const T* ar = ab + r * k_len_;
-                    T sum = T(0);  // summed in SIMD lanes: in order, one add chain, a third of this function's own time in A
+                    // In SIMD lanes: in order, one add chain was a third of this function's own time in A.
+                    T sum = T(0);
 #pragma omp simd reduction(+ : sum)
                     for (index_t j = 0; j < mem; ++j) sum += ar[j];
                     rs[b * hq + r] = sum;
