@@ -138,7 +138,10 @@ void compressive(const settings& st, const compressive_config& c, std::vector<re
             opt.step(ps);
         });
         r.tokens_per_s = rows / (r.ms * 1e-3);
-        r.tflops = 3 * flops / (r.ms * 1e-3) / 1e12;
+        // bench_models' count: three forward passes and the attention-reconstruction loss the step
+        // computes too (model_shapes.hpp)
+        const double step_flops = 3 * flops + mnemo_bench::reconstruction_flops(s, double(c.d_model), double(c.rate));
+        r.tflops = step_flops / (r.ms * 1e-3) / 1e12;
         out.push_back(r);
     }
     if (st.wants(std::string("forward_") + c.name)) {
