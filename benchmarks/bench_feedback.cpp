@@ -1,5 +1,6 @@
-// Feedback Transformer benchmarks: a training step (forward + backward through time + AdamW) and
-// per-token generation from the key/value cache, for both variants.
+// Feedback Transformer benchmarks: a training step (forward + backward through time + AdamW), the
+// forward over a whole sequence alone, and per-token generation from the key/value cache, for both
+// variants.
 //
 //   ./build/benchmarks/bench_feedback                                  everything
 //   ./build/benchmarks/bench_feedback --benchmark_filter=small         the quick configuration only
@@ -7,9 +8,11 @@
 // "reference" is labml's feedback experiment (labml_nn/transformers/feedback/experiment.py): d_model 512,
 // 8 heads, d_ff 2048, 6 layers, seq_len 128, batch 64 (character vocabulary, 65 here). "small" is a quick
 // configuration: d_model 128, 4 heads, d_ff 512, 2 layers, seq_len 32, batch 8.
-// Counters: tokens_per_second (the items rate: seq_len · batch tokens per training step, batch per
-// generation step) and ms_per_step (one training step; one generation step of the whole batch, averaged
-// over a sequence of seq_len steps from an empty memory, i.e. over slot counts 0 … seq_len − 1).
+// Counters: tokens_per_second (the items rate: seq_len · batch tokens per training step or forward,
+// batch per generation step) and ms_per_step (one training step; one forward over the sequence, the
+// logits of every step from an empty memory, no loss, no gradient; one generation step of the whole
+// batch, averaged over a sequence of seq_len steps from an empty memory, i.e. over slot counts 0 …
+// seq_len − 1).
 // Generation rows also report MB_per_step, the bytes one step must read at least (step_bytes below),
 // and roofline_frac, that rate over this machine's DRAM read bandwidth measured in the same process
 // (benchmarks/peak.hpp); small's weights fit in the caches, so its fraction passes 1.
@@ -69,6 +72,28 @@ void BM_train_step(benchmark::State& state, shape s) {
     state.SetItemsProcessed(state.iterations() * rows);
     state.counters["tokens_per_second"] =
         benchmark::Counter(double(state.iterations() * rows) / seconds);
+    state.counters["ms_per_step"] = benchmark::Counter(1e3 * seconds / double(state.iterations()));
+}
+
+// The forward over the sequence alone (feedback_transformer::forward: every step's logits; it keeps
+// the activations a backward would read, as a training forward does, and computes no loss): what
+// PyTorch's forward without autograd computes in benchmarks/compare_pytorch.py.
+template <class Model>
+void BM_forward(benchmark::State& state, shape s) {
+    Model model({.vocab = s.vocab, .n_layers = s.n_layers, .d_ff = s.d_ff, .n_pos = 4096});
+    model.reset_parameters(1);
+    const index_t rows = s.seq_len * s.batch;
+    const auto tokens = tokens_for(rows, s.vocab, 2);
+    auto forward = [&] { return model.forward(tokens, s.batch).data()[0]; };
+    forward();  // warm-up: buffers reach their size
+    double seconds = 0;
+    for (auto _ : state) {
+        const auto t0 = std::chrono::steady_clock::now();
+        benchmark::DoNotOptimize(forward());
+        seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    state.SetItemsProcessed(state.iterations() * rows);
+    state.counters["tokens_per_second"] = benchmark::Counter(double(state.iterations() * rows) / seconds);
     state.counters["ms_per_step"] = benchmark::Counter(1e3 * seconds / double(state.iterations()));
 }
 
@@ -143,10 +168,14 @@ int main(int argc, char** argv) {
     };
     add("train_step/small/feedback", BM_train_step<small_plain>, small, false);
     add("train_step/small/feedback_kv", BM_train_step<small_kv>, small, false);
+    add("forward/small/feedback", BM_forward<small_plain>, small, false);
+    add("forward/small/feedback_kv", BM_forward<small_kv>, small, false);
     add("generate/small/feedback", BM_generate<small_plain>, small, false);
     add("generate/small/feedback_kv", BM_generate<small_kv>, small, false);
     add("train_step/reference/feedback", BM_train_step<ref_plain>, reference, true);
     add("train_step/reference/feedback_kv", BM_train_step<ref_kv>, reference, true);
+    add("forward/reference/feedback", BM_forward<ref_plain>, reference, true);
+    add("forward/reference/feedback_kv", BM_forward<ref_kv>, reference, true);
     add("generate/reference/feedback", BM_generate<ref_plain>, reference, true);
     add("generate/reference/feedback_kv", BM_generate<ref_kv>, reference, true);
     benchmark::Initialize(&argc, argv);

@@ -31,14 +31,16 @@ PyTorch side: tools/reference/compressive.py and tools/reference/feedback.py in 
     training step   forward over the whole sequence from an empty memory -> mean cross-entropy ->
                     backward through time -> AdamW (lr 1e-4, weight decay 0.01); no clipping, as
                     BM_train_step.                                                       ms/step
-    forward         the whole sequence without gradient (mnemo has no such benchmark: n/a). ms
+    forward         the whole sequence without gradient: every step's logits, no loss
+                    (BM_forward: feedback_transformer::forward, which also keeps the activations
+                    a backward would read).                                              ms
     generation      the batch advanced one token per step over seq_len steps from an empty memory,
                     logits at every step, averaged over the sequence (BM_generate).  ms/step of the batch
 
 mnemo side: the Google Benchmark binaries (--mnemo-dir, default build/benchmarks) run with
 --benchmark_format=json and OMP_NUM_THREADS=--threads, after the PyTorch measurements (never at the
 same time). Times are Google Benchmark's real_time (bench_models) or the ms_per_step counter the
-benchmark computes itself (bench_feedback), the median over --mnemo-repetitions repetitions.
+benchmark computes itself (bench_feedback: per training step, forward sequence or generation step), the median over --mnemo-repetitions repetitions.
 
 Methodology (PyTorch): --warmup untimed iterations, then the median of --iterations timed ones.
 A row whose iterations are slow gets fewer (at least 2) so that it stays within about --budget
@@ -673,12 +675,13 @@ def mnemo_measurements(args, log):
             notes.append(f"WARNING: {models} not found: build it (cmake --build build --target bench_models)")
     if args.feedback != "none":
         if os.access(feedback, os.X_OK):
-            runs, c = run_benchmark_binary(feedback, f"^(train_step|generate)/{args.feedback}/", args, log)
+            runs, c = run_benchmark_binary(feedback, f"^(train_step|forward|generate)/{args.feedback}/", args, log)
             ctx["bench_feedback"] = c
             for variant, suffix in (("plain", "feedback"), ("kv", "feedback_kv")):
-                for kind, bench in (("train", "train_step"), ("generate", "generate")):
+                for kind, bench in (("train", "train_step"), ("forward", "forward"), ("generate", "generate")):
                     e = find_run(runs, f"{bench}/{args.feedback}/{suffix}")
-                    # ms_per_step: the bench's own timer; per training step / per generation step
+                    # ms_per_step: the bench's own timer; per training step / forward sequence /
+                    # generation step (a binary from before BM_forward has no forward rows: n/a)
                     res[f"fb/{variant}/{kind}"] = float(e["ms_per_step"]) if e and "ms_per_step" in e else None
         else:
             notes.append(f"WARNING: {feedback} not found: build it (cmake --build build --target bench_feedback)")
@@ -776,8 +779,8 @@ def build_rows(args, pt, mn):
             add(f"{f} plain: training step (PyTorch re-projects, feedback.py)", "fb/plain/train_reproject",
                 "fb/plain/train", "ms/step")
         add(f"{f} kv: training step", "fb/kv/train", "fb/kv/train", "ms/step")
-        add(f"{f} plain: forward sequence (no grad, PyTorch K/V cached)", "fb/plain/forward", None, "ms")
-        add(f"{f} kv: forward sequence (no grad)", "fb/kv/forward", None, "ms")
+        add(f"{f} plain: forward sequence (no grad, PyTorch K/V cached)", "fb/plain/forward", "fb/plain/forward", "ms")
+        add(f"{f} kv: forward sequence (no grad)", "fb/kv/forward", "fb/kv/forward", "ms")
         b = FEEDBACK[args.feedback]["batch"]
         add(f"{f} plain: generation, batch {b} (PyTorch K/V cached)", "fb/plain/generate", "fb/plain/generate",
             "ms/step")

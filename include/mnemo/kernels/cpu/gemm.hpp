@@ -11,13 +11,14 @@
 // Large float products on AVX-512 and AVX2 + FMA builds go to gemm_packed instead (gemm_packed.hpp:
 // mnemo's own packed SGEMM, a 14×32 AVX-512 or 6×16 AVX2 micro-kernel with blocking chosen by the
 // CPU model, bitwise the same for any thread count): use_packed() takes products of at least 2^21
-// multiply-adds with m ≥ 96, n ≥ two panels (64 on AVX-512, 32 on AVX2; at most 1/8 of the panels
-// padding) and k ≥ 32. Double, other types, smaller, skinnier or shallower float products and builds
+// multiply-adds with m ≥ 96 (AVX-512) or 40 (AVX2), n ≥ two panels (64 on AVX-512, 32 on AVX2; at
+// most 1/8 of the panels padding) and k ≥ 32. Double, other types, smaller, skinnier or shallower float products and builds
 // without AVX2 + FMA stay on Eigen; gemm_*_packed call the packed kernel whatever the shape.
 //   On the 2-core Zen 2 VM (AVX2) the packed kernel was ahead of Eigen on 98 of the 102 large-product
 //   rows (gemm_packed.hpp has the numbers), and on configuration B's n = 32 products (1024×32×512 nn
 //   and nt, 512×32×1024 tn: 1.12-1.16× on one thread) and n = 48 (1.07×); on products under 2^21 or
-//   with 32 rows it was 0.83-1.07× Eigen's speed (8×76×32 nt: 0.71×), so those stay on Eigen.
+//   with 32 rows it was 0.83-1.07× Eigen's speed (8×76×32 nt: 0.71×), so those stay on Eigen. On a
+//   Zen 3 VM (2026-12-04) 40-80 rows ran 1.08-2.05× Eigen's speed (packed_isa_avx2::min_rows).
 //   Measured on the 2-core Zen 5 VM (bench_kernels --benchmark_filter='(eigen|packed)_model': the 17
 //   large products of configurations B and C in each form, fraction of the FP32 peak measured in the
 //   same run, min / median / max over the shapes of each shape's median of 3 repetitions, one run
@@ -493,15 +494,15 @@ struct gemm {
     /// Whether a float product goes to gemm_packed (gemm_packed.hpp): at least packed_min_work
     /// multiply-adds (from there on both paths use every thread; below it, and for the per-head
     /// attention products such as 128×384×32, Eigen is as fast), and no side where the packed tiles
-    /// would waste much: m ≥ 96 rows (AVX-512's 14-row tiles: Eigen was up to 1.7× faster on 3 to 64
-    /// rows), k ≥ 32 (at k = 16 updating C outweighs the products: Eigen 1.1-1.5× faster), n of two
+    /// would waste much: m of at least the kernel's min_rows (AVX-512's 14-row tiles 96: Eigen was up
+    /// to 1.7× faster on 3 to 64 rows; AVX2's 6-row tiles 40), k ≥ 32 (at k = 16 updating C outweighs the products: Eigen 1.1-1.5× faster), n of two
     /// panels or more with at most 1/8 of the panels padding (AVX-512, 32-column panels: n = 48 was
     /// 1.25× faster on Eigen; AVX2, 16-column panels: n = 32 and 48 1.07-1.16× faster packed).
     static constexpr double packed_min_work = parallel_min_work;
 
     static bool use_packed(index_t m, index_t n, index_t k) {
         const index_t n_padded = (n + gemm_packed::nr - 1) / gemm_packed::nr * gemm_packed::nr;
-        return m >= 96 && n >= 2 * gemm_packed::nr && 8 * n >= 7 * n_padded && k >= 32 &&
+        return m >= gemm_packed::isa::min_rows && n >= 2 * gemm_packed::nr && 8 * n >= 7 * n_padded && k >= 32 &&
                double(m) * double(n) * double(k) >= packed_min_work;
     }
 

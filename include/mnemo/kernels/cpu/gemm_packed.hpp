@@ -92,6 +92,9 @@ struct packed_isa_avx512 {
     /// turn (ẑ from L3): 91-93 → 101-104 GFLOP/s with 16 (8: 100-104, 24: 98-102, 32: 100-102); with
     /// the operands hot in L1, 133-140 either way.
     static constexpr index_t direct_prefetch = 16;
+    /// Fewest rows of C a product needs to go to this kernel (gemm::use_packed): with 14-row tiles
+    /// Eigen was up to 1.7× faster on 3 to 64 rows (Zen 5; gemm.hpp's head).
+    static constexpr index_t min_rows = 96;
 
     static __mmask16 mask(index_t n) { return n >= lanes ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1u); }
     static reg zero() { return _mm512_setzero_ps(); }
@@ -142,6 +145,11 @@ struct packed_isa_avx2 {
     static constexpr index_t kc_cap = 512;
     /// gemm_direct's B prefetch (see packed_isa_avx512): not measured on an AVX2 machine, so none.
     static constexpr index_t direct_prefetch = 0;
+    /// Fewest rows of C for this kernel (see packed_isa_avx512). 2-core Zen 3 VM, 2 threads, operands
+    /// hot, best of 9 interleaved: nn/nt/tn with 40-80 rows ran 1.08-2.05× Eigen's speed over 28
+    /// shapes (n 32-2048, k 32-1024; 64×512×512 1.45×, 64×2048×512 1.45×, 40×2048×512 2.05×); 32
+    /// rows 1.26-1.47× in one run and 0.89-0.90× in two others (nt 32×512×512).
+    static constexpr index_t min_rows = 40;
 
     static __m256i mask(index_t n) {
         return _mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::clamp<index_t>(n, 0, lanes))), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
