@@ -348,6 +348,7 @@ TEST_CASE("fenced backend: Feedback Transformer training and cached generation m
 TEST_CASE("fenced backend: compressive transformer and Transformer-XL generation match the CPU") {
     CHECK(run_generation<conv_compression, cpu>() == run_generation<conv_compression, fenced>());
     CHECK(run_generation<mean_pool_compression, cpu>() == run_generation<mean_pool_compression, fenced>());
+    CHECK(run_generation<no_compression, cpu>() == run_generation<no_compression, fenced>());
 }
 
 

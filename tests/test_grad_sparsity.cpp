@@ -532,6 +532,51 @@ TEST_CASE_TEMPLATE("adamw, labml_adam: deferred decay of the rows without gradie
     check_sparse_steps_bitwise<T, mnemo::labml_adam<T>>(mnemo::labml_adam_options{.lr = 1e-2, .weight_decay = 0.05});
 }
 
+// A backend whose optimizers decay every element at every step (defers_weight_decay false, as
+// ops<cuda>): the CPU's memory and kernels otherwise.
+namespace mnemo {
+struct eager_decay_cpu {
+    static constexpr const char* name = "eager_decay_cpu";
+};
+template <>
+struct device_memory<eager_decay_cpu> : device_memory<cpu> {};
+template <>
+struct ops<eager_decay_cpu> : ops<cpu> {
+    static constexpr bool defers_weight_decay = false;
+};
+}  // namespace mnemo
+
+TEST_CASE("a decoupled step on a backend that never defers the decay is a change too (version() moves on)") {
+    // The generation cache of compressive_transformer rebuilds when version() moves; a step that decays
+    // eagerly once left it unchanged, so the GPU reused keys and values of the old weights.
+    using B = mnemo::eager_decay_cpu;
+    mnemo::parameter_set<float, B> ps;
+    ps.declare("w", {4, 6});
+    ps.allocate();
+    std::vector<float> values(std::size_t(ps.size()));
+    for (std::size_t i = 0; i < values.size(); ++i) values[i] = 0.1f * float(i) - 1.0f;
+    ps.upload_all_values(values);
+    mnemo::parameter_set<float> cpu_ps;
+    cpu_ps.declare("w", {4, 6});
+    cpu_ps.allocate();
+    cpu_ps.upload_all_values(values);
+    for (float* g : {ps.grads(), cpu_ps.grads()})  // host memory on both backends
+        for (index_t i = 0; i < ps.size(); ++i) g[i] = 0.01f * float(i % 5) - 0.02f;
+    mnemo::adamw<float, B> opt(ps.size(), {.lr = 1e-2, .weight_decay = 0.1});
+    mnemo::adamw<float> cpu_opt(cpu_ps.size(), {.lr = 1e-2, .weight_decay = 0.1});
+    for (int step = 0; step < 3; ++step) {
+        const auto before = ps.version();
+        opt.step(ps);
+        cpu_opt.step(cpu_ps);
+        CHECK(ps.version() != before);
+        CHECK_FALSE(ps.decay_owed());
+    }
+    std::vector<float> eager(values.size()), deferred(values.size());
+    ps.download_all_values(eager);
+    cpu_ps.download_all_values(deferred);
+    for (std::size_t i = 0; i < eager.size(); ++i) CHECK(eager[i] == doctest::Approx(deferred[i]).epsilon(1e-6));
+}
+
 TEST_CASE("deferred decay: a step leaves the rows without gradient owing, and paying them settles") {
     model_like<float> sparse(true);
     const index_t P = model_like<float>::P;

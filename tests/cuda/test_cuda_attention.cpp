@@ -155,7 +155,7 @@ struct rel_device {
 
 template <class T>
 struct rel_outputs {
-    std::vector<T> pos_fwd, attn, ctx, d_scores, dqu, dq, dkv, dr_win, ds_win, pos_bwd;
+    std::vector<T> attn, ctx, dqu, dq, dkv, dr_win, ds_win;
 };
 
 /// The inputs of one case (seeded), and the outputs' initial contents: the += outputs random, the
@@ -193,17 +193,14 @@ rel_outputs<T> run_cpu(const rel_case& c, rel_host<T> h, const std::vector<std::
     auto st = rel_state<T>(c, h, c.padding ? &keep : nullptr, c.padding ? &keep_any : nullptr);
     rel_outputs<T> o;
     cpu_ops::relative_attention_forward<runtime_extents>(st);
-    o.pos_fwd = h.pos;
     o.attn = h.attn;
     o.ctx = h.ctx;
     cpu_ops::relative_attention_backward<runtime_extents>(st);
-    o.d_scores = h.d_scores;
     o.dqu = h.dqu;
     o.dq = h.dq;
     o.dkv = h.dkv;
     o.dr_win = h.dr_win;
     o.ds_win = h.ds_win;
-    o.pos_bwd = h.pos;
     return o;
 }
 
@@ -233,17 +230,14 @@ rel_outputs<T> run_gpu(const rel_case& c, const rel_host<T>& h, const std::vecto
     auto st = rel_state<T>(c, d, c.padding ? &d_keep : nullptr, c.padding ? &d_keep_any : nullptr);
     rel_outputs<T> o;
     gpu_ops::relative_attention_forward<runtime_extents>(st);
-    o.pos_fwd = host(d.pos);
     o.attn = host(d.attn);
     o.ctx = host(d.ctx);
     gpu_ops::relative_attention_backward<runtime_extents>(st);
-    o.d_scores = host(d.d_scores);
     o.dqu = host(d.dqu);
     o.dq = host(d.dq);
     o.dkv = host(d.dkv);
     o.dr_win = host(d.dr_win);
     o.ds_win = host(d.ds_win);
-    o.pos_bwd = host(d.pos);
     return o;
 }
 
@@ -260,11 +254,11 @@ void check_relative(const rel_case& c, std::uint64_t seed) {
         check_equal("keep", keep_g, keep_c);
         check_equal("keep_any", any_g, any_c);
     }
-    check_close("pos (q·R over the window)", gpu.pos_fwd, cpu.pos_fwd);
+    // pos (q·R over the window, then d pos) and d_scores are each backend's own scratch
+    // (relative_attention_state): the CPU fills pos over each query block's band of columns only, or
+    // keeps a head's rows in its score block, so they are not compared; what they feed is.
     check_close("attn", gpu.attn, cpu.attn);
     check_close("ctx", gpu.ctx, cpu.ctx);
-    check_close("d_scores", gpu.d_scores, cpu.d_scores);
-    check_close("d_pos", gpu.pos_bwd, cpu.pos_bwd);
     check_close("dqu", gpu.dqu, cpu.dqu);
     check_close("dq", gpu.dq, cpu.dq);
     check_close("dkv", gpu.dkv, cpu.dkv);

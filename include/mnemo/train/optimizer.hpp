@@ -220,7 +220,7 @@ protected:
         adam_step_args<T> a;
         deferred_decay<T> d;
         if (deferring && !kernels::defers_weight_decay) {  // the backend decays every element now
-            params = deferring->deferral().values;
+            params = deferring->values();  // a change: version() moves on, as log_decay() does
             deferring = nullptr;
         }
         if (deferring) {  // after the checks: a rejected step logs no factor
