@@ -891,8 +891,8 @@ def main(argv=None):
     for line in kv:
         print(f"- {line}")
     if args.feedback != "none":
-        print("- Feedback rows: mnemo has no forward-only feedback benchmark (n/a). The feedback training step "
-              "has no gradient clipping, as bench_feedback.cpp's.")
+        print("- Feedback rows: mnemo's forward sequence is bench_feedback's forward/ row (every step's logits, "
+              "no gradient). The feedback training step has no gradient clipping, as bench_feedback.cpp's.")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"setup": setup, "rows": rows, "kv_cache": kv, "notes": notes}, f, indent=2)
