@@ -446,8 +446,7 @@ std::vector<token_t> run_generation() {
     using model_t = compressive_transformer<float, config<16, 4, 2>, Compression, B>;
     model_t model({.vocab = 7, .n_layers = 2, .d_ff = 24, .n_pos = 64});
     model.reset_parameters(5);
-    // Transformer-XL (no_compression) keeps no compressed memory.
-    autoregressive_wrapper<model_t> wrapper(model, 4, 6, std::is_same_v<Compression<float, 16, 2, B>, no_compression<float, 16, 2, B>> ? 0 : 4);
+    autoregressive_wrapper<model_t> wrapper(model, 4, 6, model_t::can_compress ? 4 : 0);  // Transformer-XL: none
     const std::vector<token_t> prime = {1, 2, 3, 4, 5, 6, 0, 1, 2};
     rng r(8);
     return wrapper.generate(prime, 20, {.temperature = 0.9}, r);

@@ -750,7 +750,7 @@ TEST_CASE_TEMPLATE("relu and gelu forward and backward against the CPU", T, floa
             device_vector<T> d_y(y), d_dx(dx);
             gpu_ops::activation_forward<mnemo::gelu>(n, dx_in.data(), d_y.data());
             cpu_ops::activation_forward<mnemo::gelu>(n, x.data(), y.data());
-            CHECK(norm_err(d_y.host(), y) <= 16 * eps<T>);  // H200, double: 1.9e-15-2.0e-15 (9 eps)
+            CHECK(norm_err(d_y.host(), y) <= 8 * eps<T>);
             gpu_ops::activation_backward<mnemo::gelu>(n, dx_in.data(), d_dy.data(), d_dx.data());
             cpu_ops::activation_backward<mnemo::gelu>(n, x.data(), dy.data(), dx.data());
             CHECK(norm_err(d_dx.host(), dx) <= 16 * eps<T>);
@@ -760,7 +760,7 @@ TEST_CASE_TEMPLATE("relu and gelu forward and backward against the CPU", T, floa
             device_vector<T> d_xi(xi);
             gpu_ops::activation_forward<mnemo::gelu>(n, d_xi.data(), d_xi.data());
             cpu_ops::activation_forward<mnemo::gelu>(n, xi.data(), xi.data());
-            CHECK(norm_err(d_xi.host(), xi) <= 16 * eps<T>);
+            CHECK(norm_err(d_xi.host(), xi) <= 8 * eps<T>);
         }
     }
 }
@@ -846,7 +846,10 @@ TEST_CASE_TEMPLATE("gru_gate_forward and backward against the CPU", T, float, do
 TEST_CASE_TEMPLATE("launches past the 65535-block cap cover every element", T, float, double) {
     {  // softmax, layer norm: a warp a row
         const index_t rows = 524280 + 77, cols = 3;
-        const std::vector<T> x = rnd<T>(sz(rows * cols));
+        // Columns offset by -2, 0 and +2: no row's variance nearly cancels (with plain values in [-1, 1]
+        // some rows' did, and the layer norm's output magnified the rounding: 120 eps on an H200).
+        std::vector<T> x = rnd<T>(sz(rows * cols));
+        for (std::size_t i = 0; i < x.size(); ++i) x[i] += T(2) * T(int(i % 3) - 1);
         std::vector<T> y(x.size()), mean(sz(rows)), rstd(sz(rows));
         device_vector<T> dx(x), dy(y), dmean(mean), drstd(rstd);
         gpu_ops::softmax_forward(rows, cols, dx.data(), cols, dy.data(), cols, T(1));
@@ -856,9 +859,7 @@ TEST_CASE_TEMPLATE("launches past the 65535-block cap cover every element", T, f
                                     dy.data(), cols, dmean.data(), drstd.data());
         cpu_ops::layer_norm_forward(rows, cols, x.data(), cols, (const T*)nullptr, (const T*)nullptr, T(1e-5),
                                     y.data(), cols, mean.data(), rstd.data());
-        // Rows of 3 random values: some have a variance that nearly cancels, and the output follows it.
-        // H200: 1.4e-5 in float, 2.3e-14 in double (about 120 and 100 eps).
-        CHECK(norm_err(dy.host(), y) <= 512 * eps<T>);
+        CHECK(norm_err(dy.host(), y) <= 64 * eps<T>);
         CHECK(norm_err(dmean.host(), mean) <= 64 * eps<T>);
     }
     {  // heads_dot_rows: a warp an output
