@@ -207,10 +207,15 @@ def pytorch_all(args):
         configs = dict(cp.COMPRESSIVE)
         for name, (base, k) in BATCH_MULTIPLES.items():
             configs[name] = dict(cp.COMPRESSIVE[base], batch=cp.COMPRESSIVE[base]["batch"] * k)
+        # Each row's figure goes to stderr as it is measured, so that a run cut short keeps what it had.
+        def report(name, rows):
+            print(f"PyTorch (TF32 {'on' if tf32 else 'off'}): {name}: " +
+                  ", ".join(f"{r} {v['ms']:.3f} ms" for r, v in rows.items()), file=sys.stderr, flush=True)
+            got.update(rows)
         for name, s in configs.items():
-            print(f"PyTorch (TF32 {'on' if tf32 else 'off'}): {name}", file=sys.stderr, flush=True)
-            got.update(compressive_rows(torch, ref, args, name, s, dev))
-        got.update(feedback_rows(torch, fb, args, dev))
+            if any(wanted(args, f"{kind}_{name}") for kind in ("train", "forward", "generate")):
+                report(name, compressive_rows(torch, ref, args, name, s, dev))
+        report("feedback", feedback_rows(torch, fb, args, dev))
         results["tf32" if tf32 else "fp32"] = got
     return torch.cuda.get_device_name(0), torch.__version__, results
 

@@ -19,6 +19,7 @@ stage "configure"
 # Ninja builds the targets below side by side; Make's top level (.NOTPARALLEL) builds them one after
 # another, one file each: 9 minutes on 16 cores (2026-12-04, H200 machine).
 generator=()
+command -v ninja >/dev/null || PATH="$PATH:$PWD/gpu-deps/bin"
 if command -v ninja >/dev/null && [ ! -f "$build/Makefile" ]; then generator=(-G Ninja); fi
 cmake -S . -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PWD/gpu-deps" -DMNEMO_CUDA=ON \
       -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" -DMNEMO_MPI=OFF \

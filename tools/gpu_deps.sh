@@ -3,7 +3,8 @@
 # files) into gpu-deps/ (ignored by git), for a GPU machine whose image has nvcc and CMake but none of
 # Debian's development packages. Run here, then carry gpu-deps to that machine; tools/gpu_check.sh
 # builds against it (CMAKE_PREFIX_PATH). The package files locate their headers relative to
-# themselves, except doctest's (a fixed /usr), which is rewritten.
+# themselves, except doctest's (a fixed /usr), which is rewritten. Ninja goes in too (gpu-deps/bin, used
+# when the machine has none): it builds the CUDA targets side by side where Make builds them one by one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=gpu-deps
@@ -18,4 +19,5 @@ copy_dir /usr/share/cmake/CLI11 share/cmake/CLI11
 copy_dir /usr/lib/cmake/doctest lib/cmake/doctest
 sed -i 's|set(_IMPORT_PREFIX "/usr")|get_filename_component(_IMPORT_PREFIX "${CMAKE_CURRENT_LIST_DIR}/../../.." ABSOLUTE)|' \
     "$out/lib/cmake/doctest/doctestTargets.cmake"
+if command -v ninja >/dev/null; then mkdir -p "$out/bin" && cp "$(command -v ninja)" "$out/bin/"; fi
 du -sh "$out"

@@ -6,7 +6,7 @@
 # Arguments: -DTEST=<a CUDA test binary> -DTRAIN=<train> -DWORK_DIR=<dir>
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
-set(small --d-model 16 --heads 2 --rate 2 --d-ff 32 --layers 2 --n-pos 64 --seq-len 8 --mem-len 8 --c-mem-len 8
+set(small --model compressive --d-model 16 --heads 2 --rate 2 --d-ff 32 --layers 2 --n-pos 64 --seq-len 8 --mem-len 8 --c-mem-len 8
     --batch 4 --eval-every 0 --eval-segments 2 --sample-len 0 --log-every 1000 --threads 1)
 
 # Whether there is a GPU: the test binary's first line (its own tests are its own ctest entry, so

@@ -4,6 +4,8 @@
 //   gelu(x) = x·Φ(x) = ½x·erfc(−x/√2)             (exact GELU, PyTorch's default; erfc rather than
 //                                                1 + erf keeps full precision for negative x)
 //   gelu'(x) = Φ(x) + x·φ(x),  φ(x) = exp(−x²/2)/√(2π)
+// erfc is simd::erfc: vectorised for float, libm's lane by lane for double (xsimd's double erfc is a
+// float-grade fit; simd.hpp says by how much).
 #include <cmath>
 #include <type_traits>
 
@@ -52,7 +54,7 @@ struct activation {
         const B half = simd::splat<T>(0.5), rs2 = simd::splat<T>(T(0.70710678118654752440));
         over_batches<T>(nv, [&](index_t j) {
             const B v = simd::load(x + j);
-            simd::store(y + j, half * v * xsimd::erfc(-v * rs2));
+            simd::store(y + j, half * v * simd::erfc(-v * rs2));
         });
         for (index_t j = nv; j < n; ++j) y[j] = T(0.5) * x[j] * std::erfc(-x[j] * T(0.70710678118654752440));
     }
@@ -65,7 +67,7 @@ struct activation {
         const B half = simd::splat<T>(0.5), vrs2 = simd::splat(rs2), vrs2pi = simd::splat(rs2pi);
         over_batches<T>(nv, [&](index_t j) {
             const B v = simd::load(x + j);
-            const B cdf = half * xsimd::erfc(-v * vrs2);
+            const B cdf = half * simd::erfc(-v * vrs2);
             const B pdf = vrs2pi * xsimd::exp(-half * v * v);
             simd::store(dx + j, simd::load(dy + j) * (cdf + v * pdf));
         });

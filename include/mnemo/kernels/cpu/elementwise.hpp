@@ -131,7 +131,7 @@ struct elementwise {
     /// working set. Call copy_fence() before another thread reads y. A copy: the bits are x's
     /// either way.
     template <class T>
-    static void copy_block(index_t n, const T* x, T* y, bool stream) {
+    static void copy_block(index_t n, const T* x, T* y, [[maybe_unused]] bool stream) {
         index_t j = 0;
 #if defined(__AVX__) && (defined(__x86_64__) || defined(__i386__))
         if constexpr (std::is_same_v<T, float>) {

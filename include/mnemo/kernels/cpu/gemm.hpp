@@ -396,7 +396,7 @@ struct gemm {
     /// body(j0, j1) over C's columns [0, n): in blocks of 64 split over the threads (see
     /// direct_split_min), or all at once on the calling thread.
     template <class T, class Body>
-    static void direct_columns(index_t m, index_t n, index_t k, Body&& body) {
+    static void direct_columns([[maybe_unused]] index_t m, index_t n, [[maybe_unused]] index_t k, Body&& body) {
         if (n <= 0) return;
         bool split = false;
 #ifdef MNEMO_PACKED_GEMM
