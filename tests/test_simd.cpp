@@ -50,26 +50,22 @@ T expected_fma(T a, T b, T c) {
 }
 
 // Distance in units in the last place between two finite values of the same sign class.
-template <class T>
-double ulps(T got, T want) {
+// want may be wider than T (a long double reference): the gap is T's at want rounded to T.
+template <class T, class U = T>
+double ulps(T got, U want) {
     if (got == want) return 0;
     if (!std::isfinite(got) || !std::isfinite(want)) return std::numeric_limits<double>::infinity();
-    const T gap = std::nextafter(std::fabs(want), std::numeric_limits<T>::infinity()) - std::fabs(want);
-    return std::fabs(double(got) - double(want)) / double(gap);
+    const T w = std::fabs(static_cast<T>(want));
+    const T gap = std::nextafter(w, std::numeric_limits<T>::infinity()) - w;
+    return double(std::fabs(static_cast<long double>(got) - static_cast<long double>(want)) / gap);
 }
 
 // simd::erfc's distance from erfc(x): float against std::erfc, double against erfcl (long double), in
 // ulp of T at the reference value.
 template <class T>
 double erfc_ulps(T got, T x) {
-    if constexpr (sizeof(T) == 4) {
-        return ulps(got, std::erfc(x));
-    } else {
-        const long double want = erfcl(static_cast<long double>(x));
-        const T w = static_cast<T>(want);
-        const T gap = std::nextafter(w, std::numeric_limits<T>::infinity()) - w;
-        return double(fabsl(static_cast<long double>(got) - want) / static_cast<long double>(gap));
-    }
+    if constexpr (sizeof(T) == 4) return ulps(got, std::erfc(x));
+    else return ulps(got, std::erfc(static_cast<long double>(x)));
 }
 
 // Integer-valued lanes small enough that every sum below is exact in float: lane l of batch i holds
