@@ -385,25 +385,29 @@ struct gemm_packed_t {
         }
     };
 
-    /// The micro-kernel: acc[i][j] = Σ_{p<kb} a[i·IS + p·PS] · b[p·nr + j] for a tile of mr × nr,
-    /// then C updated. Full tiles store straight to C; partial ones (rows < mr or cols < nr: packed
-    /// with zeros) go through a copy of the accumulators and partial loads and stores. Out of line,
-    /// so that the accumulators have the registers to themselves.
-    template <index_t IS, index_t PS>
+    /// The micro-kernel: acc[i][j] = Σ_{p<kb} a[i·IS + p·PS] · b[p·nr + j] for a tile of MR × nr
+    /// (MR ≤ mr rows of a panel packed for mr), then C updated. Full tiles store straight to C;
+    /// partial ones (rows < MR or cols < nr: packed with zeros) go through a copy of the accumulators
+    /// and partial loads and stores. Out of line, so that the accumulators have the registers to
+    /// themselves. A short last row tile runs with MR = its rows rounded up to even (tail_rows), not
+    /// mr: each element's sum is the same one FMA chain over k, so no bit changes, and a product of
+    /// 256 rows on AVX-512 (18 tiles of 14 and one of 4) no longer costs what 266 rows do.
+    template <index_t IS, index_t PS, index_t MR = mr>
     [[gnu::noinline]] static void tile(index_t kb, const float* a, const float* b, float* c, index_t ldc, index_t rows,
                                        index_t cols, const update& up) {
-        batch acc[mr][nv];
+        static_assert(MR >= 1 && MR <= mr);
+        batch acc[MR][nv];
 #pragma GCC unroll 16
-        for (index_t i = 0; i < mr; ++i)
+        for (index_t i = 0; i < MR; ++i)
 #pragma GCC unroll 2
             for (index_t v = 0; v < nv; ++v) acc[i][v] = batch(0.0f);
-        // One step over k: nv vectors of B, mr broadcasts of A, mr·nv FMAs.
+        // One step over k: nv vectors of B, MR broadcasts of A, MR·nv FMAs.
         const auto step = [&](index_t p) [[gnu::always_inline]] {
             batch bv[nv];
 #pragma GCC unroll 2
             for (index_t v = 0; v < nv; ++v) bv[v] = batch::load_aligned(b + p * nr + v * lanes);
 #pragma GCC unroll 16
-            for (index_t i = 0; i < mr; ++i) {
+            for (index_t i = 0; i < MR; ++i) {
                 const batch ai(a[i * IS + p * PS]);
 #pragma GCC unroll 2
                 for (index_t v = 0; v < nv; ++v) acc[i][v] = simd::fma(ai, bv[v], acc[i][v]);
@@ -415,9 +419,9 @@ struct gemm_packed_t {
         } else {
             for (index_t p = 0; p < kb; ++p) step(p);
         }
-        if (rows == mr && cols == nr) {
+        if (rows == MR && cols == nr) {
 #pragma GCC unroll 16
-            for (index_t i = 0; i < mr; ++i)
+            for (index_t i = 0; i < MR; ++i)
 #pragma GCC unroll 2
                 for (index_t v = 0; v < nv; ++v) {
                     float* cp = c + i * ldc + v * lanes;
@@ -425,9 +429,9 @@ struct gemm_packed_t {
                 }
             return;
         }
-        alignas(64) float t[mr * nr];
+        alignas(64) float t[MR * nr];
 #pragma GCC unroll 16
-        for (index_t i = 0; i < mr; ++i)
+        for (index_t i = 0; i < MR; ++i)
 #pragma GCC unroll 2
             for (index_t v = 0; v < nv; ++v) acc[i][v].store_aligned(t + i * nr + v * lanes);
         for (index_t i = 0; i < rows; ++i)
@@ -437,6 +441,17 @@ struct gemm_packed_t {
                 const batch prev = up.load_c ? batch(Isa::load_partial(cp, w)) : batch(0.0f);
                 Isa::store_partial(cp, w, up(batch::load_aligned(t + i * nr + v * lanes), prev));
             }
+    }
+
+    /// tile<IS, PS, MR> for a tile of `rows` rows: MR = mr for a full one, else the least of mr − 2,
+    /// mr − 4, … that holds them (both ISAs' mr are even: a 1-row tile runs as 2, whose extra FMA
+    /// chains cost no extra loads of B).
+    template <index_t IS, index_t PS, index_t MR = mr>
+    static void tile_rows(index_t kb, const float* a, const float* b, float* c, index_t ldc, index_t rows, index_t cols,
+                          const update& up) {
+        if constexpr (MR > 2)
+            if (rows <= MR - 2) return tile_rows<IS, PS, MR - 2>(kb, a, b, c, ldc, rows, cols, up);
+        tile<IS, PS, MR>(kb, a, b, c, ldc, rows, cols, up);
     }
 
     using buffer = std::vector<float, Eigen::aligned_allocator<float>>;
@@ -582,7 +597,7 @@ struct gemm_packed_t {
                                         }
                                         if (depth == 0 && up.load_c) continue;  // adds nothing to C
                                     }
-                                    tile<a_stride_i, a_stride_p>(depth, ap + ir * a_ld + skip * a_stride_p,
+                                    tile_rows<a_stride_i, a_stride_p>(depth, ap + ir * a_ld + skip * a_stride_p,
                                                                  panels + (jr - j0) * kb + skip * nr,
                                                                  c + (ic + ir) * ldc + jc + jr, ldc, rows,
                                                                  std::min(nr, nb - jr), up);
