@@ -10,6 +10,8 @@
 // Micro-kernels: AVX-512, a 14×32 tile of C in 28 zmm accumulators; each step over k loads two
 // vectors of packed B and broadcasts 14 floats of packed A into 28 FMAs. AVX2, a 6×16 tile in 12 ymm
 // accumulators (2 loads of B, 6 broadcasts, 12 FMAs a step). Both run at the FMA peak from L1 or L2.
+// A short last row tile runs with its rows rounded up to even (4 rows of a 256-row product: a 4×32
+// tile, not 14×32).
 // Blocking, for Zen 5 (AVX-512; 48 KiB L1d and 1 MiB L2 per core, shared L3):
 //   kc = 512   depth of a K block (k cut into equal blocks of at most 512). C is read and written
 //              once per block, so deep blocks save C traffic: against kc = 256 (with mc = 504), the
@@ -36,8 +38,9 @@
 //
 // Threads: each owns a block of C's rows at tile boundaries. Every element of C sums over k in the
 // same order whatever the split (K blocks depend on k and the blocking alone, each row of a tile is
-// its own FMA chain, partial tiles run the full-tile arithmetic), so results are bitwise the same on
-// any thread count (with a given blocking: two CPU models with different kc round differently).
+// its own FMA chain, partial tiles run the same per-element arithmetic), so results are bitwise the
+// same on any thread count (with a given blocking: two CPU models with different kc round
+// differently).
 // Packed B is shared up to 16 MiB: threads claim 4-panel packing tasks with an atomic, each packs
 // those nobody has started, and waits only for a task the other thread is in the middle of, for a
 // bounded while: if that thread lost its core, it packs a copy itself. No barrier, so a busy core
