@@ -392,9 +392,7 @@ struct gemm_packed_t {
     /// (MR ≤ mr rows of a panel packed for mr), then C updated. Full tiles store straight to C;
     /// partial ones (rows < MR or cols < nr: packed with zeros) go through a copy of the accumulators
     /// and partial loads and stores. Out of line, so that the accumulators have the registers to
-    /// themselves. A short last row tile runs with MR = its rows rounded up to even (tail_rows), not
-    /// mr: each element's sum is the same one FMA chain over k, so no bit changes, and a product of
-    /// 256 rows on AVX-512 (18 tiles of 14 and one of 4) no longer costs what 266 rows do.
+    /// themselves. tile_rows picks MR; each element's sum is the same FMA chain over k whatever MR.
     template <index_t IS, index_t PS, index_t MR = mr>
     [[gnu::noinline]] static void tile(index_t kb, const float* a, const float* b, float* c, index_t ldc, index_t rows,
                                        index_t cols, const update& up) {
@@ -601,9 +599,9 @@ struct gemm_packed_t {
                                         if (depth == 0 && up.load_c) continue;  // adds nothing to C
                                     }
                                     tile_rows<a_stride_i, a_stride_p>(depth, ap + ir * a_ld + skip * a_stride_p,
-                                                                 panels + (jr - j0) * kb + skip * nr,
-                                                                 c + (ic + ir) * ldc + jc + jr, ldc, rows,
-                                                                 std::min(nr, nb - jr), up);
+                                                                      panels + (jr - j0) * kb + skip * nr,
+                                                                      c + (ic + ir) * ldc + jc + jr, ldc, rows,
+                                                                      std::min(nr, nb - jr), up);
                                 }
                         }
                     }
