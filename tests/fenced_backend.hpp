@@ -320,6 +320,7 @@ struct ops<fenced> {
     static constexpr bool absorbs_memory = ops<cpu>::absorbs_memory;
     static constexpr bool defers_weight_decay = ops<cpu>::defers_weight_decay;
     static constexpr bool scores_grad_scratch = ops<cpu>::scores_grad_scratch;
+    static constexpr index_t positional_scratch_from = ops<cpu>::positional_scratch_from;
 };
 
 static_assert(check_kernel_table<fenced>());

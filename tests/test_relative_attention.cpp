@@ -382,6 +382,55 @@ TEST_CASE("relative_attention: one query position gives the same bits on 1, 2 an
     }
 }
 
+// With 16 queries or more over projected keys, backward runs each head on one thread (its batch
+// elements in order: R's and S's window gradients sum over them) and the positional gradient block
+// by block after each (batch element, head)'s d scores: the same bits on 1, 2 and 3 threads (4 heads:
+// 3 threads take 2, 1 and 1), over two blocks of query positions, with and without clamp_len.
+TEST_CASE("relative_attention: backward over 16 or more queries gives the same bits on 1, 2 and 3 threads") {
+    using big = mnemo::config<128, 4>;  // d_k 32
+    constexpr index_t Db = 128;
+    const index_t mem = 30, Q = 40, Kn = mem + Q, B = 3, P = 128;
+    for (index_t clamp : {0, 20}) {
+        INFO("clamp_len " << clamp);
+        mnemo::parameter_set<float> ps;
+        mnemo::relative_attention<float, big> attn(ps, "self_attn", P);
+        ps.allocate();
+        attn.set_memory_attention(mnemo::memory_attention::projected);
+        if (clamp > 0) attn.set_clamp_len(clamp);
+        randomize_parameters(ps, 71, -0.3f, 0.3f);
+        auto zkv = random_vector<float>(Kn * B * Db, 72);
+        auto r = random_vector<float>(Q * B * Db, 73);
+        const float* zq = zkv.data() + mem * B * Db;
+        std::vector<float> out[3], dzq[3], dzkv[3], grads[3];
+        const int saved = omp_get_max_threads();
+        for (int t = 0; t < 3; ++t) {
+            omp_set_num_threads(t + 1);
+            out[t].assign(std::size_t(Q * B * Db), 0.0f);
+            dzq[t].assign(std::size_t(Q * B * Db), 0.0f);
+            dzkv[t].assign(std::size_t(Kn * B * Db), 0.0f);
+            attn.forward(view<const float, Db>(zq, Q * B), view<const float, Db>(zkv.data(), Kn * B), B,
+                         view<float, Db>(out[t].data(), Q * B));
+            ps.zero_grad();
+            attn.backward(view<const float, Db>(zq, Q * B), view<const float, Db>(zkv.data(), Kn * B),
+                          view<const float, Db>(r.data(), Q * B), view<float, Db>(dzq[t].data(), Q * B),
+                          view<float, Db>(dzkv[t].data(), Kn * B));
+            grads[t].assign(ps.grads(), ps.grads() + ps.size());
+        }
+        omp_set_num_threads(saved);
+        REQUIRE(!attn.last_forward_absorbed());
+        for (int t = 1; t < 3; ++t) {
+            INFO("threads: " << t + 1);
+            CHECK(out[t] == out[0]);
+            CHECK(dzq[t] == dzq[0]);
+            CHECK(dzkv[t] == dzkv[0]);
+            CHECK(grads[t] == grads[0]);
+        }
+        const auto* e = ps.find("self_attn.key_pos_embeddings");
+        CHECK(std::any_of(grads[0].begin() + e->offset, grads[0].begin() + e->offset + e->size,
+                          [](float g) { return g != 0.0f; }));
+    }
+}
+
 TEST_CASE("relative_attention: a generated token's q, k and v from one product give the bits of three") {
     // z_q the last rows of z_kv (the same memory): [W_q; W_k; W_v] in one product; z_q a copy of
     // those rows: three. Over the memory's routes a generated token takes (absorbed, none, reused

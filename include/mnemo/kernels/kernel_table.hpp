@@ -40,6 +40,10 @@
 //   defers_weight_decay   the decoupled optimizers may defer the decay of cold blocks (core/parameters.hpp)
 //   scores_grad_scratch   relative_attention_backward keeps the projected route's d scores in scratch of
 //                         its own: the module hands it no [B, H, Q, K] buffer (relative_attention_state)
+//   positional_scratch_from  from this many queries on, the projected route's attention computes the
+//                         positional scores q·R (forward) and their gradient d_pos (backward) in scratch
+//                         of its own: the module hands it no [H, Q·B, W] pos buffer
+//                         (no_positional_scratch: never)
 #include "../core/backend.hpp"
 
 #define MNEMO_KERNELS(X)                                                                                     \
@@ -62,7 +66,7 @@
     X(scale_shift_rows) X(sum_as_double) X(scale_by_count) X(axpy) X(weighted_sum_rows)                    \
     X(adam_step) X(adam_cold_blocks) X(sgd_step) X(sum_squares_live) X(scale_live) X(pay_deferred_decay)
 
-#define MNEMO_KERNEL_TRAITS(X) X(absorbs_memory) X(defers_weight_decay) X(scores_grad_scratch)
+#define MNEMO_KERNEL_TRAITS(X) X(absorbs_memory) X(defers_weight_decay) X(scores_grad_scratch) X(positional_scratch_from)
 
 namespace mnemo {
 namespace detail::kernel_probe {

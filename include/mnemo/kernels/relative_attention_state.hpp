@@ -37,6 +37,10 @@ struct frozen_key_rows {
     index_t ld_batch = 0;
 };
 
+/// A backend's positional_scratch_from (kernels/kernel_table.hpp) when the attention always needs the
+/// module's pos buffer.
+inline constexpr index_t no_positional_scratch = index_t(1) << 62;
+
 /// One call of the attention core: everything between the projections (scores, positional terms,
 /// masks, softmax, context) and, for backward, back to d(q+u), dq's positional part, dk, dv and the
 /// positional tables' window gradients. Pointers not used by the route taken may be null.
@@ -64,8 +68,8 @@ struct relative_attention_state {
     frozen_key_rows<T> hat;
 
     // Saved by forward (read by backward).
-    // [H, Q·B, W]: q·R over the window (a backend may keep a head's rows elsewhere within forward:
-    // the CPU's projected route with Q >= 16 does); backward's d_pos
+    // [H, Q·B, W]: q·R over the window; backward's d_pos. Null on the projected route from the
+    // backend's positional_scratch_from queries on (it keeps a head's rows in scratch of its own).
     T* pos = nullptr;
     T* attn = nullptr;  // [B, H, Q, K] attention weights
     T* ctx = nullptr;   // [Q·B, D] context

@@ -42,6 +42,8 @@ struct ops<cpu> : cpu_kernels::gemm,
     static constexpr bool absorbs_memory = true;       // see kernels/kernel_table.hpp
     static constexpr bool defers_weight_decay = true;
     static constexpr bool scores_grad_scratch = true;  // a head's d scores in its thread's score block
+    // q·R and d_pos per head in the thread's score block from 16 queries on (relative_attention.hpp)
+    static constexpr index_t positional_scratch_from = cpu_kernels::relative_attention_core::positional_scratch_from;
 };
 
 }  // namespace mnemo

@@ -24,6 +24,10 @@ namespace mnemo::cpu_kernels {
 
 namespace detail {
 
+/// From this many queries on, the projected route computes each head's q·R (forward) and d_pos
+/// (backward) in its thread's score block (relative_attention_pass::pos_in_head).
+inline constexpr index_t positional_scratch_from = 16;
+
 /// One call's attention core over the state's pointers. E: the extents that are compile-time constants
 /// (a static config's), so the loops compile as they would inside the module.
 template <class T, static_extents E>
@@ -157,7 +161,8 @@ public:
         // past them are zero).
         // ds: the head's d scores [Q, K].
         const causal_keys band{mem - c0};
-        auto head = [&](index_t b, index_t h, T* ds) {
+        // (b, h)'s d scores ds [Q, K] from d context (the products and the softmax's backward).
+        auto head_scores = [&](index_t b, index_t h, T* ds) {
             const T* a = attn + (b * H + h) * q_len_ * k_len_;
             const index_t off = b * D + h * Dk, k_off = c0 * ldkv + b * 2 * D + h * Dk, v_off = k_off + D;
             const index_t kc = k_len_ - c0;
@@ -167,13 +172,14 @@ public:
                                 softmax_mask::causal_from(mem));  // d raw score
             heads::gemm_nn(index_t(Dk), q_len_, kc, ds + c0, k_len_, kv + k_off, ldkv, dqu + off, ld, T(0), band);  // d(q+u)
             heads::gemm_tn(index_t(Dk), q_len_, kc, ds + c0, k_len_, qu + off, ld, dkv + k_off, ldkv, T(0), band);  // dk
-            // The positional scores' gradient lands on window column Q + j − i of row (i, b); the rest
-            // of the row's band (the columns its block's products read) is zero.
-            T* ph = d_pos + h * qb * w;
-            for (index_t i = 0; i < q_len_; ++i) {
-                T* pi = ph + (i * batch_ + b) * w;
-                const index_t i0 = i / pos_block() * pos_block();
-                for (index_t c = pos_band(std::min(q_len_, i0 + pos_block())); c <= k_len_; ++c) pi[c] = T(0);
+        };
+        // The positional scores' gradient of query rows [i0, i1) from their d scores ds: query i's
+        // lands on window column Q + j − i of row p + (i − i0)·ldp; the rest of the row from column
+        // lo on (the columns the row's block of products reads) is zero.
+        auto scatter_pos = [&](const T* ds, index_t i0, index_t i1, index_t lo, T* p, index_t ldp) {
+            for (index_t i = i0; i < i1; ++i) {
+                T* pi = p + (i - i0) * ldp;
+                for (index_t c = lo; c <= k_len_; ++c) pi[c] = T(0);
                 const T* dsi = ds + i * k_len_;
                 const index_t visible = mem + i + 1, j0 = clamped(i);
                 for (index_t j = j0; j < visible; ++j) pi[q_len_ + j - i] = dsi[j];
@@ -183,6 +189,48 @@ public:
                     pi[k_len_ - clamp_len_] += sum;
                 }
             }
+        };
+        const T* r_win = s.r_win;
+        T *dr_win = s.dr_win, *ds_win = s.ds_win, *cols = s.col_sums;
+        if (pos_in_head()) {
+            // Each head on one thread, its batch elements in order: (b, h)'s d scores in the score
+            // block, then per block of head_pos_block() queries their positional gradient rows in
+            // the block after it (in L1 or L2) and at once dq = d_pos·R_win (assigned), dR_win +=
+            // d_posᵀ·q and dS_win's column sums. dR_win and dS_win of head h sum over b in order on
+            // one thread: the bits do not depend on the thread count. (Over d_pos [H, Q·B, W] for all
+            // heads, 16.8 MB a layer in configuration B, each row was written by one pass and read
+            // back by the next from L3 or DRAM.)
+            const index_t pos_rows = head_pos_block();
+            parallel_range(H, worth_threads(), [&](index_t h0, index_t h1) {
+                T* ds = score_block(score_rows_size() + pos_rows * w);
+                T* p = ds + score_rows_size();
+                for (index_t h = h0; h < h1; ++h) {
+                    T* col = cols + h * w;
+                    for (index_t c = 0; c < w; ++c) col[c] = T(0);
+                    for (index_t b = 0; b < batch_; ++b) {
+                        head_scores(b, h, ds);
+                        for_each_pos_block(pos_rows, [&](index_t i0, index_t i1, index_t lo) {
+                            const index_t n = k_len_ + 1 - lo, r0 = i0 * batch_ + b;  // row (i0, b) of q and dq
+                            scatter_pos(ds, i0, i1, lo, p, w);
+                            heads::gemm_nn(index_t(Dk), i1 - i0, n, p + lo, w, r_win + lo * D + h * Dk, D,
+                                           s.dq + r0 * D + h * Dk, ld);
+                            heads::gemm_tn(index_t(Dk), i1 - i0, n, p + lo, w, s.q + r0 * D + h * Dk, ld,
+                                           dr_win + lo * D + h * Dk, D, T(1));
+                            K::sum_rows_accumulate(i1 - i0, n, p + lo, w, col + lo);
+                        });
+                    }
+                    for (index_t c = 0; c < w; ++c) ds_win[c * H + h] += col[c];
+                }
+            });
+            return;
+        }
+        // (b, h)'s d scores, then its rows of d_pos [H, Q·B, W] (query i at row i·B + b of head h).
+        auto head = [&](index_t b, index_t h, T* ds) {
+            head_scores(b, h, ds);
+            T* ph = d_pos + h * qb * w + b * w;
+            for_each_pos_block(pos_block(), [&](index_t i0, index_t i1, index_t lo) {
+                scatter_pos(ds, i0, i1, lo, ph + i0 * ld_pos(), ld_pos());
+            });
         };
         if (!absorb) {  // d scores in this thread's score block: only d_pos keeps them
             parallel_range(batch_ * H, worth_threads(), [&](index_t bh_begin, index_t bh_end) {
@@ -196,8 +244,6 @@ public:
 
         // Per head and block of query positions, over the block's band: dq = d_pos·R_win (assigned:
         // each row in one block), dR_win += d_posᵀ·q, dS_win += column sums of d_pos.
-        const T* r_win = s.r_win;
-        T *dr_win = s.dr_win, *ds_win = s.ds_win, *cols = s.col_sums;
         for_each_head(qb * w * Dk, [&](index_t h) {
             const T* ph = d_pos + h * qb * w;
             T* col = cols + h * w;
@@ -241,13 +287,15 @@ private:
     /// Row stride of pos [H, Q·B, W] (query i of batch element b at row i·B + b).
     index_t ld_pos() const { return batch_ * window(); }
     /// Whether forward computes each head's positional scores q·R in its score block (head by head,
-    /// then read there by the positional terms) instead of into pos for all heads first: over
-    /// projected keys with 16 or more queries, so that a head's blocks of queries (head_pos_block)
-    /// take the per-head products' register tiles. Backward does not read forward's pos: its d_pos
-    /// overwrites it. pos is [H, Q·B, W] (16.8 MB a layer in configuration B), written by one pass
-    /// and read back by the next, each line fetched from L3 or DRAM; a head's rows (256 KB in B)
-    /// stay in L2. The bands of columns are those of pos's blocks.
-    bool pos_in_head() const { return !s.absorbed && q_len_ >= 16; }
+    /// then read there by the positional terms) and backward each (batch element, head)'s d_pos
+    /// rows a block at a time after its d scores, instead of both going through pos for all heads:
+    /// over projected keys with positional_scratch_from (16) or more queries, so that a head's
+    /// blocks of queries (head_pos_block) take the per-head products' register tiles. pos is
+    /// [H, Q·B, W] (16.8 MB a layer in configuration B), written by one pass and read back by the
+    /// next, each line fetched from L3 or DRAM; a head's rows (256 KB in B) stay in L2, a block's
+    /// (64 KB) in L1 or L2. The module then allocates no pos (kernels/kernel_table.hpp). The bands
+    /// of columns are those of pos's blocks.
+    bool pos_in_head() const { return !s.absorbed && q_len_ >= positional_scratch_from; }
     /// Query positions per positional product of one head: Q in equal blocks of at most 36, so at
     /// least 16 (the register tiles' route; a remainder of a few rows would take the general
     /// GEMM). A block reads the band of its last query, so a taller one computes more columns no
@@ -606,6 +654,9 @@ private:
 }  // namespace detail
 
 struct relative_attention_core {
+    /// From this many queries on, the projected route needs no pos buffer (pos_in_head).
+    static constexpr index_t positional_scratch_from = detail::positional_scratch_from;
+
     /// The attention core's forward (see relative_attention_state). E: the extents that are
     /// compile-time constants.
     template <static_extents E, class T>

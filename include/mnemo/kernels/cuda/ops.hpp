@@ -12,6 +12,8 @@
 //                                bookkeeping on the host, which would mean a synchronisation per step)
 //   scores_grad_scratch = false  the attention's backward writes every head's d scores to the
 //                                module's [B, H, Q, K] buffer (one launch over all heads)
+//   positional_scratch_from = no_positional_scratch  q·R and d_pos go through the module's
+//                                [H, Q·B, W] buffer at every length
 //   parallel_slots(n) = 1, concurrent_pair = false: no host threads; the stream orders everything
 //   the *_direct GEMMs are the ordinary ones (cuBLAS decides)
 #include <cstdint>
@@ -31,6 +33,7 @@ struct ops<cuda> {
     static constexpr bool absorbs_memory = false;
     static constexpr bool defers_weight_decay = false;
     static constexpr bool scores_grad_scratch = false;
+    static constexpr index_t positional_scratch_from = no_positional_scratch;
 
     // GEMM
     template <class T>

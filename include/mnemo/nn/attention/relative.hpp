@@ -248,7 +248,9 @@ public:
         if (key_pad_) kernels::key_padding_keep(batch_, k_len_, key_pad_, keep_.ensure(batch_ * k_len_), keep_any_.ensure(batch_));
         // The attention core (kernels: positional window GEMMs, scores, masks, softmax, context).
         relative_attention_state<T> st = core_state(q.data(), qu.data(), kv, absorb);
-        st.pos = pos_.ensure(H * qb * w);
+        // [H, Q·B, W]: 16.8 MB a layer in configuration B, which the CPU's projected route does without
+        // from 16 queries on (kernel_table.hpp, positional_scratch_from).
+        if (positional_buffer()) st.pos = pos_.ensure(H * qb * w);
         st.col_sums = col_sums_.ensure(H * w);
         st.attn = attn_.ensure(batch_ * H * q_len_ * k_len_);
         st.ctx = ctx.data();
@@ -296,7 +298,7 @@ public:
         const index_t mem = k_len_ - q_len_, hq = H * q_len_, lb = mem * batch_;
         const bool absorb = absorbed_;
         relative_attention_state<T> st = core_state(q.data(), qu.data(), kv, absorb);
-        st.pos = pos_.data();  // d_pos from here on
+        if (positional_buffer()) st.pos = pos_.data();  // d_pos from here on
         st.attn = attn_.data();
         st.d_ctx = d_ctx.data();
         // [B, H, Q, K]: 75 MB over configuration B's 6 layers, which the CPU's projected route does
@@ -401,6 +403,8 @@ private:
                     "; raise n_pos or shorten the memory");
     }
     index_t window() const { return k_len_ + q_len_; }
+    /// Whether the attention core reads and writes pos_ (the last forward's route and shape).
+    bool positional_buffer() const { return absorbed_ || q_len_ < kernels::positional_scratch_from; }
 
     /// The extents the kernels take as compile-time constants (`dynamic` for a runtime shape).
     static constexpr static_extents extents{d_model, heads, d_head};
