@@ -148,7 +148,7 @@ public:
         const index_t qb = q_len_ * batch_, w = window(), mem = k_len_ - q_len_;
         const T* attn = s.attn;
         T* d_scores = s.d_scores;
-        T* d_pos = s.pos;  // forward's q·R is not needed any more
+        T* d_pos = s.pos;  // forward's q·R is not needed any more (null when pos_in_head())
         const T scale = s.scale;
         const index_t ld = batch_ * D, ldkv = batch_ * 2 * D;
         const bool absorb = s.absorbed;
@@ -197,8 +197,8 @@ public:
             // block, then per block of head_pos_block() queries their positional gradient rows in
             // the block after it (in L1 or L2) and at once dq = d_pos·R_win (assigned), dR_win +=
             // d_posᵀ·q and dS_win's column sums. dR_win and dS_win of head h sum over b in order on
-            // one thread: the bits do not depend on the thread count. (Over d_pos [H, Q·B, W] for all
-            // heads, 16.8 MB a layer in configuration B, each row was written by one pass and read
+            // one thread: the bits do not depend on the thread count. (The route below writes d_pos
+            // [H, Q·B, W] for all heads, 16.8 MB a layer in configuration B, by one pass and reads it
             // back by the next from L3 or DRAM.)
             const index_t pos_rows = head_pos_block();
             parallel_range(H, worth_threads(), [&](index_t h0, index_t h1) {
