@@ -7,8 +7,9 @@
 //
 // BM_read_bandwidth measures the DRAM read bandwidth, the roofline of memory-bound work (generation).
 // BM_parallel_region measures what one of mnemo's parallel regions costs with nothing in it (its
-// start and end, the time per iteration), and BM_cache_line_round_trip the hardware's floor under
-// it: one cache line handed from one thread to another and back.
+// start and end, the time per iteration), BM_phases_region one with a barrier inside, BM_held_loop
+// the same loops inside hold_threads (its us_per_loop counter), and BM_cache_line_round_trip the
+// hardware's floor under them: one cache line handed from one thread to another and back.
 // BM_peak_fp32 measures the peak: independent FMA chains on registers, no memory traffic. The
 // GEMM rows report `peak_frac`, their GFLOP/s over the peak measured in the same run with the same
 // thread count. BM_gemm and BM_gemm_model go through K::gemm_*, i.e. the packed kernel (AVX-512 or
@@ -76,7 +77,7 @@ void BM_read_bandwidth(benchmark::State& state) {
 }
 
 // One empty region of parallel_range over `threads` threads an iteration: what every split kernel
-// pays on top of its work (a generated token opens about 47). Only the counter every row has (see
+// pays on top of its work outside hold_threads (inside, see BM_held_loop). Only the counter every row has (see
 // BM_peak_fp32 on CSV output); the time column is the region's cost.
 void BM_parallel_region(benchmark::State& state) {
     const int threads = static_cast<int>(state.range(0));
@@ -84,6 +85,43 @@ void BM_parallel_region(benchmark::State& state) {
     std::atomic<index_t> sink{0};
     for (auto _ : state)
         mnemo::parallel_range(threads, true, [&](index_t begin, index_t) { sink.store(begin, std::memory_order_relaxed); });
+    omp_set_num_threads(omp_get_num_procs());
+    benchmark::DoNotOptimize(sink.load());
+    state.counters["threads"] = threads;
+}
+
+// The same empty loop, and an empty two-phase loop (parallel_phases: one barrier), inside
+// hold_threads: what a loop costs a model's entry point, whose threads are held (parallel.hpp).
+// The iterations run in batches of 1000 inside one hold; the time column is one loop's cost.
+void BM_held_loop(benchmark::State& state) {
+    const int threads = static_cast<int>(state.range(0));
+    const bool phases = state.range(1) != 0;
+    omp_set_num_threads(threads);
+    std::atomic<index_t> sink{0};
+    constexpr int batch = 1000;
+    auto empty = [&](index_t begin, index_t) { sink.store(begin, std::memory_order_relaxed); };
+    for (auto _ : state) {
+        mnemo::hold_threads([&] {
+            for (int i = 0; i < batch; ++i) {
+                if (phases) mnemo::parallel_phases(true, threads, empty, threads, empty);
+                else mnemo::parallel_range(threads, true, empty);
+            }
+        });
+    }
+    omp_set_num_threads(omp_get_num_procs());
+    benchmark::DoNotOptimize(sink.load());
+    state.SetItemsProcessed(state.iterations() * batch);
+    state.counters["threads"] = threads;
+    state.counters["us_per_loop"] = benchmark::Counter(double(batch) * 1e-6, benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+}
+
+// The same two-phase loop as regions of their own (one region with a barrier inside).
+void BM_phases_region(benchmark::State& state) {
+    const int threads = static_cast<int>(state.range(0));
+    omp_set_num_threads(threads);
+    std::atomic<index_t> sink{0};
+    auto empty = [&](index_t begin, index_t) { sink.store(begin, std::memory_order_relaxed); };
+    for (auto _ : state) mnemo::parallel_phases(true, threads, empty, threads, empty);
     omp_set_num_threads(omp_get_num_procs());
     benchmark::DoNotOptimize(sink.load());
     state.counters["threads"] = threads;
@@ -430,6 +468,8 @@ void BM_gemm_packed_model(benchmark::State& state, form f) { BM_gemm(state, f, p
 BENCHMARK(BM_peak_fp32)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_read_bandwidth)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_parallel_region)->Arg(2)->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_phases_region)->Arg(2)->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_held_loop)->ArgNames({"threads", "phases"})->Args({2, 0})->Args({2, 1})->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_cache_line_round_trip)->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK_CAPTURE(BM_gemm, nn, nn)->Apply(gemm_shapes)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_gemm, nt, nt)->Apply(gemm_shapes)->UseRealTime()->Unit(benchmark::kMillisecond);

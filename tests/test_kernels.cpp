@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
 #include <vector>
 
 #include <mnemo/core/buffer.hpp>
@@ -181,7 +182,7 @@ TEST_CASE("gemm: one- and two-row products (GEMVs) are bitwise the same on 1, 2 
     }
 }
 
-TEST_CASE("parallel_phases: each phase sees every write of the one before, on 1, 2 and 3 threads") {
+TEST_CASE("parallel_phases: each phase sees every write of the one before, on 1, 2 and 3 threads, held or not") {
     // Four phases over different item counts; each item of a phase reads items of the phase before
     // that other threads wrote (reversed, shifted), so a missing barrier shows as a wrong sum.
     constexpr index_t n = 97;
@@ -190,7 +191,7 @@ TEST_CASE("parallel_phases: each phase sees every write of the one before, on 1,
         omp_set_num_threads(threads);
         for (int round = 0; round < 20; ++round) {
             std::vector<long> a(n, -1), b(n, -1), c(n / 2, -1), d(1, -1);
-            mnemo::parallel_phases(
+            auto phases = [&] { mnemo::parallel_phases(
                 true, n, [&](index_t i0, index_t i1) { for (index_t i = i0; i < i1; ++i) a[std::size_t(i)] = i; },
                 n, [&](index_t i0, index_t i1) { for (index_t i = i0; i < i1; ++i) b[std::size_t(i)] = a[std::size_t(n - 1 - i)] + 1; },
                 n / 2, [&](index_t i0, index_t i1) {
@@ -202,7 +203,9 @@ TEST_CASE("parallel_phases: each phase sees every write of the one before, on 1,
                         for (long v : c) sum += v;
                         d[std::size_t(i)] = sum;
                     }
-                });
+                }); };
+            if (round % 2 == 1) mnemo::hold_threads(phases);  // odd rounds with the threads held
+            else phases();
             long want = 0;
             for (index_t i = 0; i < n / 2; ++i) want += (n - 1 - 2 * i) + 1 + (n - 2 - 2 * i) + 1;
             CHECK(d[0] == want);
@@ -243,6 +246,65 @@ TEST_CASE("parallel_items: every item once, one per call on 2 and 3 threads, [0,
             mnemo::parallel_items(7, true, [&](index_t i0, index_t i1) { nested += (i0 == 0 && i1 == 7); });
         }
         CHECK(nested == 1);
+    }
+    omp_set_num_threads(saved);
+}
+
+TEST_CASE("hold_threads: loops inside run on the held threads with the same split; nested calls, values, exceptions") {
+    constexpr index_t n = 37;
+    constexpr int rounds = 200;
+    // What the loops below compute, on one thread.
+    std::vector<long> want(n, 1), tmp(n);
+    for (int round = 0; round < rounds; ++round) {
+        for (index_t i = 0; i < n; ++i) tmp[std::size_t(i)] = want[std::size_t(n - 1 - i)] + i + round;
+        std::swap(want, tmp);
+    }
+    const int saved = omp_get_max_threads();
+    for (int threads = 1; threads <= 3; ++threads) {
+        omp_set_num_threads(threads);
+        std::vector<long> a(n, 1), b(n);
+        const int got = mnemo::hold_threads([&] {
+            CHECK(mnemo::available_threads() == threads);
+            CHECK(mnemo::hold_threads([] { return 7; }) == 7);  // nested: a plain call
+            for (int round = 0; round < rounds; ++round) {  // each loop reads what other threads wrote in the one before
+                std::vector<int> by(n, -1);
+                mnemo::parallel_range(n, true, [&](index_t i0, index_t i1) {
+                    CHECK(mnemo::available_threads() == 1);  // inside a loop: one thread
+                    for (index_t i = i0; i < i1; ++i) {
+                        b[std::size_t(i)] = a[std::size_t(n - 1 - i)] + i + round;
+                        by[std::size_t(i)] = omp_get_thread_num();
+                    }
+                });
+                std::swap(a, b);
+                for (int t = 0; t < threads; ++t)  // the static partition: thread t's block
+                    for (index_t i = n * t / threads; i < n * (t + 1) / threads; ++i) CHECK(by[std::size_t(i)] == t);
+            }
+            // a team body with a barrier: each thread reads the slot the next one wrote before it
+            std::vector<int> slot(std::size_t(threads), -1), seen(std::size_t(threads), -1);
+            if (threads > 1)
+                mnemo::parallel_team(threads, [&](index_t t, index_t nt) {
+                    CHECK(nt == threads);
+                    slot[std::size_t(t)] = int(t) + 100;
+                    mnemo::team_barrier();
+                    seen[std::size_t(t)] = slot[std::size_t((t + 1) % nt)];
+                });
+            for (int t = 0; threads > 1 && t < threads; ++t) CHECK(seen[std::size_t(t)] == (t + 1) % threads + 100);
+            return 42;
+        });
+        CHECK(got == 42);
+        CHECK(a == want);
+        // An exception from the held code, or from the calling thread's share of a loop, reaches the
+        // caller; the threads are released and a later hold works.
+        CHECK_THROWS_AS(mnemo::hold_threads([] { throw std::runtime_error("held"); }), std::runtime_error);
+        CHECK_THROWS_AS(mnemo::hold_threads([&] {
+                            mnemo::parallel_range(n, true, [&](index_t i0, index_t) {
+                                if (i0 == 0) throw std::runtime_error("share");
+                            });
+                        }),
+                        std::runtime_error);
+        std::atomic<int> calls{0};
+        mnemo::hold_threads([&] { mnemo::parallel_items(5, true, [&](index_t, index_t) { ++calls; }); });
+        CHECK(calls.load() == (threads > 1 ? 5 : 1));
     }
     omp_set_num_threads(saved);
 }

@@ -44,6 +44,11 @@
 //                         positional scores q·R (forward) and their gradient d_pos (backward) in scratch
 //                         of its own: the module hands it no [H, Q·B, W] pos buffer
 //                         (no_positional_scratch: never)
+// and one scope (MNEMO_KERNEL_SCOPES), a call that runs the caller's own code:
+//   hold_threads(fn)      fn() with the backend's host threads kept ready for the kernels fn calls
+//                         (the CPU: one OpenMP region held open around fn, kernels/cpu/parallel.hpp;
+//                         CUDA: fn()); a model's entry points (a segment's forward, update_memory,
+//                         a training segment) run inside it. Returns what fn returns.
 #include "../core/backend.hpp"
 
 #define MNEMO_KERNELS(X)                                                                                     \
@@ -68,6 +73,8 @@
 
 #define MNEMO_KERNEL_TRAITS(X) X(absorbs_memory) X(defers_weight_decay) X(scores_grad_scratch) X(positional_scratch_from)
 
+#define MNEMO_KERNEL_SCOPES(X) X(hold_threads)
+
 namespace mnemo {
 namespace detail::kernel_probe {
 // has_<name><Ops>: Ops has a member called <name>, whatever its kind (function, template, overload set).
@@ -83,6 +90,7 @@ namespace detail::kernel_probe {
     concept has_##name = !requires { &both_##name<Ops>::name; };
 MNEMO_KERNELS(MNEMO_KERNEL_PROBE)
 MNEMO_KERNEL_TRAITS(MNEMO_KERNEL_PROBE)
+MNEMO_KERNEL_SCOPES(MNEMO_KERNEL_PROBE)
 #undef MNEMO_KERNEL_PROBE
 }  // namespace detail::kernel_probe
 
@@ -99,6 +107,11 @@ constexpr bool check_kernel_table() {
                   "mnemo: ops<Backend> does not say '" #name "' (a constexpr bool; kernels/kernel_table.hpp)");
     MNEMO_KERNEL_TRAITS(MNEMO_KERNEL_TRAIT_ASSERT)
 #undef MNEMO_KERNEL_TRAIT_ASSERT
+#define MNEMO_KERNEL_SCOPE_ASSERT(name)                                      \
+    static_assert(detail::kernel_probe::has_##name<ops<Backend>>,            \
+                  "mnemo: ops<Backend> has no scope '" #name "' (kernels/kernel_table.hpp)");
+    MNEMO_KERNEL_SCOPES(MNEMO_KERNEL_SCOPE_ASSERT)
+#undef MNEMO_KERNEL_SCOPE_ASSERT
     return true;
 }
 

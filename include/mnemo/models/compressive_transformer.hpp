@@ -605,68 +605,72 @@ public:
     /// logits [Q·B, vocab] of a segment: tokens [Q·B] sequence-major (position·B + b), reading (not
     /// changing) the memory. Saves activations for backward and the layer inputs for update_memory.
     view<const T, dynamic, Backend> forward(std::span<const token_t> tokens, index_t batch, const memory_type& mem) {
-        MNEMO_CHECK(batch >= 1 && !tokens.empty() && index_t(tokens.size()) % batch == 0, "compressive_transformer: ",
-                    tokens.size(), " tokens do not form a whole number of positions of batch ", batch);
-        MNEMO_CHECK(mem.n_layers() == n_memory_layers(), "compressive_transformer: the memory has ", mem.n_layers(),
-                    " layers, the model ", n_memory_layers(), " memory layers");
-        MNEMO_CHECK(mem.mem_slots() + mem.c_mem_slots() == 0 || mem.batch() == batch, "compressive_transformer: the "
-                    "memory holds a batch of ", mem.batch(), " but the segment has batch ", batch);
-        const index_t rows = index_t(tokens.size());
-        batch_ = batch;
-        rows_ = rows;
-        for (auto& x : xs_) x.ensure(rows * D);
-        prepare_padding(mem, batch, rows);
-        const kv_reuse reuse = memory_reuse(mem, batch);
-        const memory_identity ids{mem.epoch(), mem.c_mem_first_id(), mem.mem_first_id()};
-        forward_grad_ = grad_enabled_;
-        embed_.forward(tokens, x(0));
-        for (index_t l = 0; l < options_.n_layers; ++l) {
-            const index_t s = memory_slot_[std::size_t(l)];
-            auto& layer = layers_[std::size_t(l)];
-            if (s < 0) {
-                layer.forward(x(l), view<const T, DM, Backend>(), view<const T, DM, Backend>(), batch, x(l + 1));
-                continue;
+        return kernels::hold_threads([&]() -> view<const T, dynamic, Backend> {
+            MNEMO_CHECK(batch >= 1 && !tokens.empty() && index_t(tokens.size()) % batch == 0, "compressive_transformer: ",
+                        tokens.size(), " tokens do not form a whole number of positions of batch ", batch);
+            MNEMO_CHECK(mem.n_layers() == n_memory_layers(), "compressive_transformer: the memory has ", mem.n_layers(),
+                        " layers, the model ", n_memory_layers(), " memory layers");
+            MNEMO_CHECK(mem.mem_slots() + mem.c_mem_slots() == 0 || mem.batch() == batch, "compressive_transformer: the "
+                        "memory holds a batch of ", mem.batch(), " but the segment has batch ", batch);
+            const index_t rows = index_t(tokens.size());
+            batch_ = batch;
+            rows_ = rows;
+            for (auto& x : xs_) x.ensure(rows * D);
+            prepare_padding(mem, batch, rows);
+            const kv_reuse reuse = memory_reuse(mem, batch);
+            const memory_identity ids{mem.epoch(), mem.c_mem_first_id(), mem.mem_first_id()};
+            forward_grad_ = grad_enabled_;
+            embed_.forward(tokens, x(0));
+            for (index_t l = 0; l < options_.n_layers; ++l) {
+                const index_t s = memory_slot_[std::size_t(l)];
+                auto& layer = layers_[std::size_t(l)];
+                if (s < 0) {
+                    layer.forward(x(l), view<const T, DM, Backend>(), view<const T, DM, Backend>(), batch, x(l + 1));
+                    continue;
+                }
+                layer.forward(x(l), mem.c_mem(s), mem.mem(s), batch, x(l + 1), reuse, ids);
+                if constexpr (needs_usage) segment_usage(s, layer, mem);
             }
-            layer.forward(x(l), mem.c_mem(s), mem.mem(s), batch, x(l + 1), reuse, ids);
-            if constexpr (needs_usage) segment_usage(s, layer, mem);
-        }
-        last_ = {true, mem.epoch(), params_.version(), mem.c_mem_first_id(), mem.mem_first_id(), mem.c_mem_slots(),
-                 mem.mem_slots(), rows / batch, batch};
-        view<T, DM, Backend> hn(hn_.ensure(rows * D), rows, D);
-        norm_.forward(x(options_.n_layers), hn);
-        view<T, dynamic, Backend> logits(logits_.ensure(rows * options_.vocab), rows, options_.vocab);
-        generator_.forward(hn, logits);
-        return logits;
+            last_ = {true, mem.epoch(), params_.version(), mem.c_mem_first_id(), mem.mem_first_id(), mem.c_mem_slots(),
+                     mem.mem_slots(), rows / batch, batch};
+            view<T, DM, Backend> hn(hn_.ensure(rows * D), rows, D);
+            norm_.forward(x(options_.n_layers), hn);
+            view<T, dynamic, Backend> logits(logits_.ensure(rows * options_.vocab), rows, options_.vocab);
+            generator_.forward(hn, logits);
+            return logits;
+        });
     }
 
     /// Merges this segment's layer inputs into the memory, compressing with the current weights
     /// (no gradient). Returns the number of slots compressed. Call after forward.
     index_t update_memory(memory_type& mem) {
-        if (mem.mem_slots() + mem.c_mem_slots() == 0 && mem.batch() != batch_) mem.reset(batch_, rows_ / batch_);
-        if constexpr (needs_usage) {
-            // The rows held gain this segment's attention; the new rows start with theirs.
-            for (index_t s = 0; s < n_memory_layers(); ++s) {
-                const index_t held = mem.usage_rows(s);
-                MNEMO_CHECK(held == mem.mem_slots() * mem.batch() && usage_rows_[std::size_t(s)] == held + rows_,
-                            "compressive_transformer: the memory's usage does not match the last forward (call "
-                            "update_memory once after each forward, with the memory forward read)");
-                mem.add_usage(s, usage_[std::size_t(s)].data() + usage_offset_[std::size_t(s)], rows_);
+        return kernels::hold_threads([&]() -> index_t {
+            if (mem.mem_slots() + mem.c_mem_slots() == 0 && mem.batch() != batch_) mem.reset(batch_, rows_ / batch_);
+            if constexpr (needs_usage) {
+                // The rows held gain this segment's attention; the new rows start with theirs.
+                for (index_t s = 0; s < n_memory_layers(); ++s) {
+                    const index_t held = mem.usage_rows(s);
+                    MNEMO_CHECK(held == mem.mem_slots() * mem.batch() && usage_rows_[std::size_t(s)] == held + rows_,
+                                "compressive_transformer: the memory's usage does not match the last forward (call "
+                                "update_memory once after each forward, with the memory forward read)");
+                    mem.add_usage(s, usage_[std::size_t(s)].data() + usage_offset_[std::size_t(s)], rows_);
+                }
             }
-        }
-        const index_t before = mem.mem_slots();
-        const index_t n_old = mem.merge(
-            [&](index_t s) { return view<const T, DM, Backend>(x(memory_layer(s))); },
-            [&](index_t s, view<const T, DM, Backend> in, view<T, DM, Backend> out) {
-                auto& f_c = layers_[std::size_t(memory_layer(s))].compress();
-                if constexpr (needs_usage) f_c.set_usage(mem.usage(s), in.rows());
-                f_c.forward(in, batch_, out);
-            },
-            seg_padded_ ? seg_pad_.data() : nullptr);
-        if constexpr (needs_usage) {
-            // Drop the usage of the rows the merge dropped: the oldest (held + new − kept) slots.
-            mem.drop_usage((before + rows_ / batch_ - mem.mem_slots()) * batch_);
-        }
-        return n_old;
+            const index_t before = mem.mem_slots();
+            const index_t n_old = mem.merge(
+                [&](index_t s) { return view<const T, DM, Backend>(x(memory_layer(s))); },
+                [&](index_t s, view<const T, DM, Backend> in, view<T, DM, Backend> out) {
+                    auto& f_c = layers_[std::size_t(memory_layer(s))].compress();
+                    if constexpr (needs_usage) f_c.set_usage(mem.usage(s), in.rows());
+                    f_c.forward(in, batch_, out);
+                },
+                seg_padded_ ? seg_pad_.data() : nullptr);
+            if constexpr (needs_usage) {
+                // Drop the usage of the rows the merge dropped: the oldest (held + new − kept) slots.
+                mem.drop_usage((before + rows_ / batch_ - mem.mem_slots()) * batch_);
+            }
+            return n_old;
+        });
     }
 
     /// Mean cross-entropy of the last forward's logits against targets [Q·B] (negative: ignored).
@@ -692,20 +696,22 @@ public:
 
     /// Parameter gradients += d CE / d θ through the whole model (after cross_entropy(..., true)).
     void backward(std::span<const token_t> tokens) {
-        MNEMO_CHECK(has_d_logits_, "compressive_transformer: backward needs cross_entropy(targets, true) first");
-        MNEMO_CHECK(forward_grad_, "compressive_transformer: backward after a forward with gradients disabled "
-                    "(set_grad_enabled(false)); run forward again with gradients enabled");
-        const index_t rows = rows_, v = options_.vocab;
-        view<T, DM, Backend> hn(hn_.data(), rows, D), dhn(dhn_.ensure(rows * D), rows, D);
-        view<T, DM, Backend> d0(dx_[0].ensure(rows * D), rows, D), d1(dx_[1].ensure(rows * D), rows, D);
-        generator_.backward(hn, view<const T, dynamic, Backend>(d_logits_.data(), rows, v), dhn);
-        norm_.backward(x(options_.n_layers), dhn, d0);
-        for (index_t l = options_.n_layers - 1; l >= 0; --l) {
-            layers_[std::size_t(l)].backward(d0, d1);
-            std::swap(d0, d1);
-        }
-        embed_.backward(tokens, d0);
-        has_d_logits_ = false;
+        kernels::hold_threads([&] {
+            MNEMO_CHECK(has_d_logits_, "compressive_transformer: backward needs cross_entropy(targets, true) first");
+            MNEMO_CHECK(forward_grad_, "compressive_transformer: backward after a forward with gradients disabled "
+                        "(set_grad_enabled(false)); run forward again with gradients enabled");
+            const index_t rows = rows_, v = options_.vocab;
+            view<T, DM, Backend> hn(hn_.data(), rows, D), dhn(dhn_.ensure(rows * D), rows, D);
+            view<T, DM, Backend> d0(dx_[0].ensure(rows * D), rows, D), d1(dx_[1].ensure(rows * D), rows, D);
+            generator_.backward(hn, view<const T, dynamic, Backend>(d_logits_.data(), rows, v), dhn);
+            norm_.backward(x(options_.n_layers), dhn, d0);
+            for (index_t l = options_.n_layers - 1; l >= 0; --l) {
+                layers_[std::size_t(l)].backward(d0, d1);
+                std::swap(d0, d1);
+            }
+            embed_.backward(tokens, d0);
+            has_d_logits_ = false;
+        });
     }
 
     /// One training segment as the reference experiment: forward, memory merge, CE + AR, backward.
@@ -729,24 +735,28 @@ public:
                              memory_type& mem) {
         MNEMO_CHECK(grad_enabled_, "compressive_transformer: train_segment with gradients disabled "
                     "(set_grad_enabled(false)); enable them first");
-        forward(tokens, batch, mem);
-        const index_t compressed = update_memory(mem);
-        queue_cross_entropy(targets, true);
-        queue_reconstruction(mem, true);
-        pending_.compressed = compressed;
-        pending_.segment = true;
-        backward(tokens);
+        kernels::hold_threads([&] {  // one hold for the whole segment (the calls below then hold nothing)
+            forward(tokens, batch, mem);
+            const index_t compressed = update_memory(mem);
+            queue_cross_entropy(targets, true);
+            queue_reconstruction(mem, true);
+            pending_.compressed = compressed;
+            pending_.segment = true;
+            backward(tokens);
+        });
     }
 
     /// eval_segment leaving the losses in backend memory until read_losses().
     void queue_eval_segment(std::span<const token_t> tokens, std::span<const token_t> targets, index_t batch,
                             memory_type& mem) {
-        forward(tokens, batch, mem);
-        const index_t compressed = update_memory(mem);
-        queue_cross_entropy(targets, false);
-        queue_reconstruction(mem, false);
-        pending_.compressed = compressed;
-        pending_.segment = true;
+        kernels::hold_threads([&] {
+            forward(tokens, batch, mem);
+            const index_t compressed = update_memory(mem);
+            queue_cross_entropy(targets, false);
+            queue_reconstruction(mem, false);
+            pending_.compressed = compressed;
+            pending_.segment = true;
+        });
     }
 
     /// The losses of the last queued segment (queue_train_segment, queue_eval_segment), read in one

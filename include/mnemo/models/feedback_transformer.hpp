@@ -321,31 +321,33 @@ public:
     /// logits [T·B, vocab] of a sequence: tokens [T·B] sequence-major (step·B + b), starting from an
     /// empty memory. Saves every step's activations for backward. T − 1 <= n_pos.
     view<const T, dynamic, Backend> forward(std::span<const token_t> tokens, index_t batch) {
-        MNEMO_CHECK(batch >= 1 && !tokens.empty() && index_t(tokens.size()) % batch == 0, "feedback_transformer: ",
-                    tokens.size(), " tokens do not form a whole number of steps of batch ", batch);
-        const index_t rows = index_t(tokens.size()), steps = rows / batch;
-        MNEMO_CHECK(steps - 1 <= options_.n_pos, "feedback_transformer: a sequence of ", steps, " steps attends to ",
-                    steps - 1, " memory slots at its last step, more than the n_pos = ", options_.n_pos,
-                    " relative positions; raise n_pos or shorten the sequence");
-        batch_ = batch;
-        rows_ = rows;
-        steps_ = steps;
-        has_d_logits_ = false;
-        reserve_activations(acts_, rows, attn_offset(steps, batch));
-        for (index_t i = 0; i < n_kv(); ++i) {
-            key_ptrs_[std::size_t(i)] = keys_[std::size_t(i)].ensure(rows * D);
-            value_ptrs_[std::size_t(i)] = values_[std::size_t(i)].ensure(rows * D);
-        }
-        embed_.forward(tokens, y(acts_, 0, 0, rows));
-        update_mix();
-        for (index_t t = 0; t < steps; ++t)
-            step_forward(acts_, t * batch, attn_offset(t, batch), t, batch, key_ptrs_.data(), value_ptrs_.data(),
-                         steps, view_d(acts_.mem.data() + t * D, batch, D, steps * D), /*project=*/t + 1 < steps);
-        const view_d hn(hn_.ensure(rows * D), rows, D);
-        norm_.forward(y(acts_, options_.n_layers, 0, rows), hn);
-        const view<T, dynamic, Backend> logits(logits_.ensure(rows * options_.vocab), rows, options_.vocab);
-        generator_.forward(hn, logits);
-        return logits;
+        return kernels::hold_threads([&]() -> view<const T, dynamic, Backend> {
+            MNEMO_CHECK(batch >= 1 && !tokens.empty() && index_t(tokens.size()) % batch == 0, "feedback_transformer: ",
+                        tokens.size(), " tokens do not form a whole number of steps of batch ", batch);
+            const index_t rows = index_t(tokens.size()), steps = rows / batch;
+            MNEMO_CHECK(steps - 1 <= options_.n_pos, "feedback_transformer: a sequence of ", steps, " steps attends to ",
+                        steps - 1, " memory slots at its last step, more than the n_pos = ", options_.n_pos,
+                        " relative positions; raise n_pos or shorten the sequence");
+            batch_ = batch;
+            rows_ = rows;
+            steps_ = steps;
+            has_d_logits_ = false;
+            reserve_activations(acts_, rows, attn_offset(steps, batch));
+            for (index_t i = 0; i < n_kv(); ++i) {
+                key_ptrs_[std::size_t(i)] = keys_[std::size_t(i)].ensure(rows * D);
+                value_ptrs_[std::size_t(i)] = values_[std::size_t(i)].ensure(rows * D);
+            }
+            embed_.forward(tokens, y(acts_, 0, 0, rows));
+            update_mix();
+            for (index_t t = 0; t < steps; ++t)
+                step_forward(acts_, t * batch, attn_offset(t, batch), t, batch, key_ptrs_.data(), value_ptrs_.data(),
+                             steps, view_d(acts_.mem.data() + t * D, batch, D, steps * D), /*project=*/t + 1 < steps);
+            const view_d hn(hn_.ensure(rows * D), rows, D);
+            norm_.forward(y(acts_, options_.n_layers, 0, rows), hn);
+            const view<T, dynamic, Backend> logits(logits_.ensure(rows * options_.vocab), rows, options_.vocab);
+            generator_.forward(hn, logits);
+            return logits;
+        });
     }
 
     /// Mean cross-entropy of the last forward's logits against targets [T·B] (negative: ignored).
@@ -358,56 +360,58 @@ public:
     /// Parameter gradients += d CE / d θ, back through time over the whole sequence (after
     /// cross_entropy(..., true)).
     void backward(std::span<const token_t> tokens) {
-        MNEMO_CHECK(has_d_logits_, "feedback_transformer: backward needs cross_entropy(targets, true) first");
-        MNEMO_CHECK(index_t(tokens.size()) == rows_, "feedback_transformer: backward with ", tokens.size(),
-                    " tokens after a forward over ", rows_);
-        const index_t rows = rows_, B = batch_, L = options_.n_layers, v = options_.vocab;
-        const view_d hn(hn_.data(), rows, D), d_final(d_final_.ensure(rows * D), rows, D);
-        {
-            const view_d dhn(dhn_.ensure(rows * D), rows, D);
-            generator_.backward(hn, view<const T, dynamic, Backend>(d_logits_.data(), rows, v), dhn);
-            norm_.backward(y(acts_, L, 0, rows), cview_d(dhn), d_final);
-        }
-        for (index_t i = 0; i < n_kv(); ++i) {
-            device_memory<Backend>::fill_zero(d_keys_[std::size_t(i)].ensure(rows * D), sizeof(T) * std::size_t(rows * D));
-            device_memory<Backend>::fill_zero(d_values_[std::size_t(i)].ensure(rows * D), sizeof(T) * std::size_t(rows * D));
-        }
-        T* d_mem = d_mem_.ensure(rows * D);
-        T* d_emb = d_emb_.ensure(rows * D);
-        const index_t chunk = std::min(steps_, std::max<index_t>(1, (options_.grad_flush_rows + B - 1) / B));
-        for (index_t l = 0; l < L; ++l) layers_[std::size_t(l)].reserve(grads_[std::size_t(l)], chunk * B);
+        kernels::hold_threads([&] {
+            MNEMO_CHECK(has_d_logits_, "feedback_transformer: backward needs cross_entropy(targets, true) first");
+            MNEMO_CHECK(index_t(tokens.size()) == rows_, "feedback_transformer: backward with ", tokens.size(),
+                        " tokens after a forward over ", rows_);
+            const index_t rows = rows_, B = batch_, L = options_.n_layers, v = options_.vocab;
+            const view_d hn(hn_.data(), rows, D), d_final(d_final_.ensure(rows * D), rows, D);
+            {
+                const view_d dhn(dhn_.ensure(rows * D), rows, D);
+                generator_.backward(hn, view<const T, dynamic, Backend>(d_logits_.data(), rows, v), dhn);
+                norm_.backward(y(acts_, L, 0, rows), cview_d(dhn), d_final);
+            }
+            for (index_t i = 0; i < n_kv(); ++i) {
+                device_memory<Backend>::fill_zero(d_keys_[std::size_t(i)].ensure(rows * D), sizeof(T) * std::size_t(rows * D));
+                device_memory<Backend>::fill_zero(d_values_[std::size_t(i)].ensure(rows * D), sizeof(T) * std::size_t(rows * D));
+            }
+            T* d_mem = d_mem_.ensure(rows * D);
+            T* d_emb = d_emb_.ensure(rows * D);
+            const index_t chunk = std::min(steps_, std::max<index_t>(1, (options_.grad_flush_rows + B - 1) / B));
+            for (index_t l = 0; l < L; ++l) layers_[std::size_t(l)].reserve(grads_[std::size_t(l)], chunk * B);
 
-        for (index_t c1 = steps_; c1 > 0;) {
-            const index_t c0 = std::max<index_t>(0, c1 - chunk);
-            for (index_t t = c1 - 1; t >= c0; --t) step_backward(t, c0, d_final, d_mem, d_emb);
-            flush_weight_gradients(c0, c1);
-            c1 = c0;
-        }
-        // Key/value projections: one GEMM over every slot (batch-major rows; the last slot's gradient is 0).
-        for (index_t i = 0; i < n_kv(); ++i) {
-            key(i).backward(cview_d(acts_.mem.data(), rows, D), cview_d(d_keys_[std::size_t(i)].data(), rows, D),
-                            view_d());
-            value(i).backward(cview_d(acts_.mem.data(), rows, D), cview_d(d_values_[std::size_t(i)].data(), rows, D),
-                              view_d());
-        }
-        embed_.backward(tokens, cview_d(d_emb, rows, D));
-        // d w = softmax backward of G_l = Σ ⟨y_l, d mem⟩ over every step: the L + 1 dot products on
-        // the backend, the softmax backward of L + 1 numbers on the host (in double), added back.
-        T* dots = mix_dots_.ensure(L + 1);
-        for (index_t l = 0; l <= L; ++l)
-            kernels::gemm_nt(1, 1, rows * D, acts_.y[std::size_t(l)].data(), rows * D, d_mem, rows * D, dots + l, 1);
-        device_memory<Backend>::download(mix_host_.data(), dots, sizeof(T) * std::size_t(L + 1));
-        double* gl = mix_grad_.data();
-        double sg = 0;
-        for (index_t l = 0; l <= L; ++l) {
-            gl[l] = double(mix_host_[std::size_t(l)]);
-            sg += double(mix_[std::size_t(l)]) * gl[l];
-        }
-        for (index_t l = 0; l <= L; ++l) mix_host_[std::size_t(l)] = T(double(mix_[std::size_t(l)]) * (gl[l] - sg));
-        device_memory<Backend>::upload(dots, mix_host_.data(), sizeof(T) * std::size_t(L + 1));
-        T* gw = weights_.grad();
-        kernels::add(1, L + 1, gw, L + 1, dots, L + 1, gw, L + 1);
-        has_d_logits_ = false;
+            for (index_t c1 = steps_; c1 > 0;) {
+                const index_t c0 = std::max<index_t>(0, c1 - chunk);
+                for (index_t t = c1 - 1; t >= c0; --t) step_backward(t, c0, d_final, d_mem, d_emb);
+                flush_weight_gradients(c0, c1);
+                c1 = c0;
+            }
+            // Key/value projections: one GEMM over every slot (batch-major rows; the last slot's gradient is 0).
+            for (index_t i = 0; i < n_kv(); ++i) {
+                key(i).backward(cview_d(acts_.mem.data(), rows, D), cview_d(d_keys_[std::size_t(i)].data(), rows, D),
+                                view_d());
+                value(i).backward(cview_d(acts_.mem.data(), rows, D), cview_d(d_values_[std::size_t(i)].data(), rows, D),
+                                  view_d());
+            }
+            embed_.backward(tokens, cview_d(d_emb, rows, D));
+            // d w = softmax backward of G_l = Σ ⟨y_l, d mem⟩ over every step: the L + 1 dot products on
+            // the backend, the softmax backward of L + 1 numbers on the host (in double), added back.
+            T* dots = mix_dots_.ensure(L + 1);
+            for (index_t l = 0; l <= L; ++l)
+                kernels::gemm_nt(1, 1, rows * D, acts_.y[std::size_t(l)].data(), rows * D, d_mem, rows * D, dots + l, 1);
+            device_memory<Backend>::download(mix_host_.data(), dots, sizeof(T) * std::size_t(L + 1));
+            double* gl = mix_grad_.data();
+            double sg = 0;
+            for (index_t l = 0; l <= L; ++l) {
+                gl[l] = double(mix_host_[std::size_t(l)]);
+                sg += double(mix_[std::size_t(l)]) * gl[l];
+            }
+            for (index_t l = 0; l <= L; ++l) mix_host_[std::size_t(l)] = T(double(mix_[std::size_t(l)]) * (gl[l] - sg));
+            device_memory<Backend>::upload(dots, mix_host_.data(), sizeof(T) * std::size_t(L + 1));
+            T* gw = weights_.grad();
+            kernels::add(1, L + 1, gw, L + 1, dots, L + 1, gw, L + 1);
+            has_d_logits_ = false;
+        });
     }
 
     /// One training sequence: forward, cross-entropy, backward. Returns the mean CE; parameter
@@ -426,16 +430,20 @@ public:
     /// train_segment leaving the loss in backend memory until read_loss() (the mix weights' softmax
     /// still reads L + 1 values on the host in forward and backward).
     void queue_train_segment(std::span<const token_t> tokens, std::span<const token_t> targets, index_t batch) {
-        forward(tokens, batch);
-        queue_cross_entropy(targets, true);
-        backward(tokens);
-        loss_queued_ = true;
+        kernels::hold_threads([&] {
+            forward(tokens, batch);
+            queue_cross_entropy(targets, true);
+            backward(tokens);
+            loss_queued_ = true;
+        });
     }
     /// eval_segment leaving the loss in backend memory until read_loss().
     void queue_eval_segment(std::span<const token_t> tokens, std::span<const token_t> targets, index_t batch) {
-        forward(tokens, batch);
-        queue_cross_entropy(targets, false);
-        loss_queued_ = true;
+        kernels::hold_threads([&] {
+            forward(tokens, batch);
+            queue_cross_entropy(targets, false);
+            loss_queued_ = true;
+        });
     }
     /// The mean cross-entropy of the last queued sequence, read from backend memory.
     double read_loss() {
@@ -695,24 +703,26 @@ public:
     /// Feeds tokens [B] (one per batch row) as step t = length(); returns the logits [B, vocab] of the
     /// next token. Throws when t exceeds n_pos (step t attends to t slots).
     view<const T, dynamic, Backend> step(std::span<const token_t> tokens) {
-        Model& m = *m_;
-        const index_t B = batch_, t = t_, L = m.n_layers(), V = m.vocab();
-        MNEMO_CHECK(index_t(tokens.size()) == B, "feedback_generator: ", tokens.size(), " tokens for a batch of ", B);
-        MNEMO_CHECK(t <= m.options().n_pos, "feedback_generator: step ", t, " would attend to ", t,
-                    " memory slots, more than n_pos = ", m.options().n_pos);
-        if (t + 1 > cap_) grow(std::max<index_t>({t + 1, 2 * cap_, 16}));
-        m.reserve_activations(acts_, B, B * H * t);
-        m.embed_.forward(tokens, m.y(acts_, 0, 0, B));
-        m.update_mix();
-        m.step_forward(acts_, 0, 0, t, B, key_ptrs_.data(), value_ptrs_.data(), cap_, view_d(acts_.mem.data(), B, D),
-                       /*project=*/true);
-        projected_rows_ += B;
-        const view_d hn(hn_.ensure(B * D), B, D);
-        m.norm_.forward(m.y(acts_, L, 0, B), hn, norm_stats<T>{mean_.ensure(B), rstd_.ensure(B)});
-        const view<T, dynamic, Backend> logits(logits_.ensure(B * V), B, V);
-        m.generator_.forward(hn, logits);
-        ++t_;
-        return logits;
+        return checked_ops<Backend>::hold_threads([&]() -> view<const T, dynamic, Backend> {
+            Model& m = *m_;
+            const index_t B = batch_, t = t_, L = m.n_layers(), V = m.vocab();
+            MNEMO_CHECK(index_t(tokens.size()) == B, "feedback_generator: ", tokens.size(), " tokens for a batch of ", B);
+            MNEMO_CHECK(t <= m.options().n_pos, "feedback_generator: step ", t, " would attend to ", t,
+                        " memory slots, more than n_pos = ", m.options().n_pos);
+            if (t + 1 > cap_) grow(std::max<index_t>({t + 1, 2 * cap_, 16}));
+            m.reserve_activations(acts_, B, B * H * t);
+            m.embed_.forward(tokens, m.y(acts_, 0, 0, B));
+            m.update_mix();
+            m.step_forward(acts_, 0, 0, t, B, key_ptrs_.data(), value_ptrs_.data(), cap_, view_d(acts_.mem.data(), B, D),
+                           /*project=*/true);
+            projected_rows_ += B;
+            const view_d hn(hn_.ensure(B * D), B, D);
+            m.norm_.forward(m.y(acts_, L, 0, B), hn, norm_stats<T>{mean_.ensure(B), rstd_.ensure(B)});
+            const view<T, dynamic, Backend> logits(logits_.ensure(B * V), B, V);
+            m.generator_.forward(hn, logits);
+            ++t_;
+            return logits;
+        });
     }
 
     /// Steps taken = memory slots cached.

@@ -97,6 +97,7 @@
 #include "../../core/shape.hpp"
 #include "causal_keys.hpp"
 #include "gemm_direct.hpp"
+#include "parallel.hpp"
 
 namespace mnemo::cpu_kernels {
 
@@ -104,11 +105,11 @@ struct gemm {
     /// Multiply-adds below which a GEMM stays on one thread.
     static constexpr double parallel_min_work = double(1 << 21);
 
-    /// Threads a product of m·n·k multiply-adds may use: all of omp_get_max_threads() from
-    /// parallel_min_work on, one inside an OpenMP region.
+    /// Threads a product of m·n·k multiply-adds may use: all of available_threads() from
+    /// parallel_min_work on (one inside an OpenMP region or a held team's job).
     static int threads_for(index_t m, index_t n, index_t k) {
         const double work = double(m) * double(n) * double(k);
-        return (work >= parallel_min_work && !omp_in_parallel()) ? omp_get_max_threads() : 1;
+        return work >= parallel_min_work ? int(available_threads()) : 1;
     }
 
     /// Two independent products of about m·n·k multiply-adds each (a linear layer's dW = dyᵀ·x and
@@ -118,7 +119,7 @@ struct gemm {
     /// (256×128×128 to 256×256×128): two threads on one packed product ran only 1.25× one thread.
     static bool concurrent_pair(index_t m, index_t n, index_t k) {
         const double work = double(m) * double(n) * double(k);
-        return work >= double(1 << 19) && work < double(1 << 24) && omp_get_max_threads() >= 2 && !omp_in_parallel();
+        return work >= double(1 << 19) && work < double(1 << 24) && available_threads() >= 2;
     }
 
     /// Calls f(m0, m1, n0, n1) over blocks of C [m, n]: one block of rows per thread when the product
@@ -137,12 +138,10 @@ struct gemm {
         }
         const index_t chunk = (m + threads - 1) / threads;
         const index_t step = (chunk + 15) / 16 * 16;
-#pragma omp parallel num_threads(threads)
-        {
-            const index_t t = omp_get_thread_num();
+        parallel_team(threads, [&](index_t t, index_t) {
             const index_t b = std::min(m, t * step), e = std::min(m, b + step);
             if (b < e) f(b, e, index_t(0), n);
-        }
+        });
     }
 
     template <class T>
@@ -285,20 +284,16 @@ struct gemm {
     static void gemv_threads(index_t n, index_t k, const T* b, index_t ldb, const T* x, index_t incx, T* c, T beta,
                              T alpha) {
         const index_t chunks = n / gemv_split;
-        const int threads = (n * k >= gemv_parallel_min && chunks >= 2 && !omp_in_parallel())
-                                ? int(std::min<index_t>(omp_get_max_threads(), chunks))
-                                : 1;
+        const int threads = (n * k >= gemv_parallel_min && chunks >= 2) ? int(std::min<index_t>(available_threads(), chunks)) : 1;
         if (threads <= 1) {
             gemv<Transposed>(n, k, b, ldb, x, incx, c, beta, alpha);
             return;
         }
-#pragma omp parallel num_threads(threads)
-        {
-            const index_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        parallel_team(threads, [&](index_t t, index_t nt) {
             const index_t r0 = chunks * t / nt * gemv_split, r1 = t + 1 == nt ? n : chunks * (t + 1) / nt * gemv_split;
             // Output rows [r0, r1): rows of B (B [n, k]) or its columns (Transposed: B [k, n]).
             if (r0 < r1) gemv<Transposed>(r1 - r0, k, Transposed ? b + r0 : b + r0 * ldb, ldb, x, incx, c + r0, beta, alpha);
-        }
+        });
     }
 
     /// gemm_nn on the Eigen path, whatever MNEMO_USE_BLAS says.
@@ -590,7 +585,7 @@ struct gemm {
     static void blas_gemm(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, index_t m, index_t n, index_t k, const T* a,
                           index_t lda, const T* b, index_t ldb, T* c, index_t ldc, T beta, T alpha) {
         const double work = double(m) * double(n) * double(k);
-        int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+        int threads = int(available_threads());
         threads = int(std::min<double>(threads, std::floor(work / blas_min_block_work)));
         threads = int(std::min<index_t>(threads, m / blas_row_step));
         auto rows = [&](index_t m0, index_t m1) {
@@ -612,12 +607,10 @@ struct gemm {
             const index_t x = t * m / threads;
             return (x + blas_row_step / 2) / blas_row_step * blas_row_step;
         };
-#pragma omp parallel num_threads(threads)
-        {
-            const index_t t = omp_get_thread_num();
+        parallel_team(threads, [&](index_t t, index_t) {
             const index_t b0 = bound(t), b1 = bound(t + 1);
             if (b0 < b1) rows(b0, b1);
-        }
+        });
     }
 #endif
 };

@@ -72,6 +72,7 @@
 #include <vector>
 
 #include "../../core/shape.hpp"
+#include "parallel.hpp"
 
 namespace mnemo::cpu_kernels {
 
@@ -612,8 +613,7 @@ struct gemm_packed_t {
             body(0, 1);
             return;
         }
-#pragma omp parallel num_threads(threads)
-        body(omp_get_thread_num(), omp_get_num_threads());
+        parallel_team(threads, [&](index_t t, index_t nt) { body(int(t), int(nt)); });
     }
 };
 

@@ -78,9 +78,8 @@ struct device_memory<cpu> {
             std::memmove(d, s, bytes);
             return;
         }
-#pragma omp parallel num_threads(int(threads))
-        {
-            const std::size_t t = std::size_t(omp_get_thread_num()), nt = std::size_t(omp_get_num_threads());
+        parallel_team(threads, [&](index_t team_t, index_t team_nt) {
+            const std::size_t t = std::size_t(team_t), nt = std::size_t(team_nt);
             const std::size_t lo = bytes * t / nt, hi = bytes * (t + 1) / nt;  // this part of the source
             if (gap >= bytes) {  // apart: no part's destination is another's source
                 std::memcpy(d + lo, s + lo, hi - lo);
@@ -94,10 +93,10 @@ struct device_memory<cpu> {
                 if (edge) std::memcpy(keep, s + aside, gap);
                 const std::size_t a = edge && !up ? lo + gap : lo, b = edge && up ? hi - gap : hi;
                 std::memmove(d + a, s + a, b - a);
-#pragma omp barrier
+                team_barrier();
                 if (edge) std::memcpy(d + aside, keep, gap);
             }
-        }
+        });
     }
     /// Bytes from which copy splits over the threads (a generated token of configuration C moves
     /// 1 MiB of a layer's cached keys and values when the memory compresses), and the least each

@@ -7,18 +7,15 @@
 
 #include "../../core/error.hpp"
 #include "../../core/shape.hpp"
+#include "parallel.hpp"
 
 namespace mnemo::cpu_kernels::detail {
-/// f(i) for i in [0, n): split over OpenMP threads when `parallel`, else a plain loop that does not
-/// enter the OpenMP runtime at all (libgomp allocates a team even for a serialised `parallel if (0)`).
+/// f(i) for i in [0, n): split over the threads when `parallel` (parallel_range), else a plain loop.
 template <class F>
 inline void for_each_item(index_t n, bool parallel, F&& f) {
-    if (parallel) {
-#pragma omp parallel for schedule(static)
-        for (index_t i = 0; i < n; ++i) f(i);
-    } else {
-        for (index_t i = 0; i < n; ++i) f(i);
-    }
+    parallel_range(n, parallel, [&](index_t begin, index_t end) {
+        for (index_t i = begin; i < end; ++i) f(i);
+    });
 }
 }  // namespace mnemo::cpu_kernels::detail
 

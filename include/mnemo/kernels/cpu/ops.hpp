@@ -1,6 +1,8 @@
 #pragma once
 // ops<cpu>: the CPU kernel table. Every kernel takes raw pointers, runtime extents and row strides
 // (CUB style), and is a static member of one of the kernel structs below; ops<cpu> gathers them.
+#include <utility>
+
 #include "../../core/backend.hpp"
 #include "activation.hpp"
 #include "compression.hpp"
@@ -15,6 +17,7 @@
 #include "linear_layer.hpp"
 #include "most_used.hpp"
 #include "optimizer.hpp"
+#include "parallel.hpp"
 #include "reconstruction.hpp"
 #include "relative_attention.hpp"
 #include "softmax.hpp"
@@ -44,6 +47,12 @@ struct ops<cpu> : cpu_kernels::gemm,
     static constexpr bool scores_grad_scratch = true;  // a head's d scores in its thread's score block
     // q·R and d_pos per head in the thread's score block from 16 queries on (relative_attention.hpp)
     static constexpr index_t positional_scratch_from = cpu_kernels::relative_attention_core::positional_scratch_from;
+
+    /// fn() with the OpenMP threads held for the parallel loops of the kernels it calls (parallel.hpp).
+    template <class F>
+    static decltype(auto) hold_threads(F&& fn) {
+        return mnemo::hold_threads(std::forward<F>(fn));
+    }
 };
 
 }  // namespace mnemo

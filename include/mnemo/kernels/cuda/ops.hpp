@@ -14,7 +14,8 @@
 //                                module's [B, H, Q, K] buffer (one launch over all heads)
 //   positional_scratch_from = no_positional_scratch  q·R and d_pos go through the module's
 //                                [H, Q·B, W] buffer at every length
-//   parallel_slots(n) = 1, concurrent_pair = false: no host threads; the stream orders everything
+//   parallel_slots(n) = 1, concurrent_pair = false, hold_threads(fn) = fn(): no host threads; the
+//                                stream orders everything
 //   the *_direct GEMMs are the ordinary ones (cuBLAS decides)
 #include <cstdint>
 #include <span>
@@ -34,6 +35,11 @@ struct ops<cuda> {
     static constexpr bool defers_weight_decay = false;
     static constexpr bool scores_grad_scratch = false;
     static constexpr index_t positional_scratch_from = no_positional_scratch;
+    /// No host threads to hold: fn().
+    template <class F>
+    static decltype(auto) hold_threads(F&& fn) {
+        return fn();
+    }
 
     // GEMM
     template <class T>
