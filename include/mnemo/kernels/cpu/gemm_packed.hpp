@@ -31,7 +31,7 @@
 //   Prefetching each tile's rows of C before its k loop changed nothing (92.2 against 91.3).
 // Packing: rows of A [M, K] are copied with a row stride of kc_cap + lanes floats (a panel's rows
 // would otherwise share a few L1 sets); for gemm_tn A [K, M] is copied as it lies, mr columns a
-// row, and the kernel reads it with the other stride: nothing is transposed. B [K, N] is copied into
+// row padded to a whole vector, and the kernel reads it with the other stride: nothing is transposed. B [K, N] is copied into
 // nr-column panels 16 rows at a time; B [N, K] (gemm_nt) goes through lanes × lanes register
 // transposes. The source is prefetched ahead (a row of A is too short a run for the hardware
 // prefetcher).
@@ -278,6 +278,7 @@ struct gemm_packed_t {
     static constexpr index_t nv = Isa::nv;               // vectors across a tile
     static constexpr index_t nr = nv * lanes;            // columns of a tile
     static constexpr index_t a_ld = Isa::kc_cap + lanes; // row stride of packed A (nn, nt)
+    static constexpr index_t tn_panel = Isa::kc_cap * lanes; // panel stride of packed A (tn)
     /// Columns of B one shared packing task covers, and the largest packed B (floats) a team shares.
     static constexpr index_t task_cols = 4 * nr;
     static constexpr index_t shared_b_max = index_t(1) << 22;
@@ -321,21 +322,19 @@ struct gemm_packed_t {
     }
 
     /// A block of gemm_tn, [kb, mb] of A [K, M] (stride ld), as panels of mr columns, panel q at
-    /// dst + q·mr·a_ld holding dst[p·mr + i] = src[p·ld + q·mr + i], zero past mb. 16 rows at a time
-    /// across the panels, the next 16 prefetched; each row of a panel is stored as a whole vector
-    /// (lanes ≥ mr) whose last lanes the next row overwrites (only mr lanes on the panel's last row).
+    /// dst + q·tn_panel holding dst[p·lanes + i] = src[p·ld + q·mr + i] for i < mr (zero past mb;
+    /// lanes mr..lanes-1 of each row are padding the tile never reads). 16 rows at a time across the
+    /// panels, the next 16 prefetched. Each row of a panel is one aligned vector store: with rows mr
+    /// floats apart (56 bytes on AVX-512) most stores crossed a cache line, and this copy was 2.7% of
+    /// configuration B's training step (perf, Zen 5).
     static void pack_a_cols(const float* src, index_t ld, index_t kb, index_t mb, float* dst) {
         static_assert(lanes >= mr);
         for (index_t p0 = 0; p0 < kb; p0 += 16) {
             const index_t p1 = std::min(kb, p0 + 16);
             for (index_t i = 0; i < mb; i += mr) {
-                float* d = dst + i * a_ld;
+                float* d = dst + (i / mr) * tn_panel;
                 for (index_t p = p1; p < std::min(kb, p1 + 16); ++p) prefetch(src + p * ld + i);
-                for (index_t p = p0; p < p1; ++p) {
-                    const reg x = Isa::load_partial(src + p * ld + i, std::min(mr, mb - i));
-                    if (p + 1 < kb) Isa::storeu(d + p * mr, x);
-                    else Isa::store_partial(d + p * mr, mr, x);
-                }
+                for (index_t p = p0; p < p1; ++p) Isa::store(d + p * lanes, Isa::load_partial(src + p * ld + i, std::min(mr, mb - i)));
             }
         }
     }
@@ -509,8 +508,10 @@ struct gemm_packed_t {
                 for (index_t j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.0f ? 0.0f : beta * c[i * ldc + j];
             return;
         }
-        // Packed A: row i of a panel at a[i·a_ld] (nn, nt), or column p at a[p·mr] (tn).
-        constexpr index_t a_stride_i = F == form::tn ? 1 : a_ld, a_stride_p = F == form::tn ? mr : 1;
+        // Packed A: row i of a panel at a[i·a_ld] (nn, nt), or column p at a[p·lanes] (tn); panels
+        // mr·a_ld (nn, nt) or tn_panel (tn) floats apart.
+        constexpr index_t a_stride_i = F == form::tn ? 1 : a_ld, a_stride_p = F == form::tn ? lanes : 1;
+        constexpr index_t a_panel = F == form::tn ? tn_panel : mr * a_ld;
         const index_t kc_max = std::min(bl.kc, Isa::kc_cap), mc_max = bl.mc, nc_max = bl.nc;
         const index_t kc = k_block(k, kc_max), nc = std::min(nc_max, (n + nr - 1) / nr * nr);
         const index_t tiles = (m + mr - 1) / mr;
@@ -547,7 +548,7 @@ struct gemm_packed_t {
             // would stream all of B from L3 for a tile or two (512 rows: 182+182+148, not 252+252+8).
             const index_t row_blocks = std::max<index_t>(1, (r1 - r0 + mc_max - 1) / mc_max);
             const index_t mc = std::min(mc_max, ((r1 - r0 + row_blocks - 1) / row_blocks + mr - 1) / mr * mr);
-            float* ap = thread_buffer(0, std::max(mc, mr) * a_ld);
+            float* ap = thread_buffer(0, std::max<index_t>(1, (mc + mr - 1) / mr) * a_panel);
             float* own_b = thread_buffer(1, kc * (shared ? task_cols : nc));
             index_t block = 0;
             for (index_t jc = c0; jc < c1; jc += nc) {
@@ -599,7 +600,7 @@ struct gemm_packed_t {
                                         }
                                         if (depth == 0 && up.load_c) continue;  // adds nothing to C
                                     }
-                                    tile_rows<a_stride_i, a_stride_p>(depth, ap + ir * a_ld + skip * a_stride_p,
+                                    tile_rows<a_stride_i, a_stride_p>(depth, ap + ir / mr * a_panel + skip * a_stride_p,
                                                                       panels + (jr - j0) * kb + skip * nr,
                                                                       c + (ic + ir) * ldc + jc + jr, ldc, rows,
                                                                       std::min(nr, nb - jr), up);
