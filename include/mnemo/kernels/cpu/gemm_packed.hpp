@@ -41,11 +41,12 @@
 // its own FMA chain, partial tiles run the same per-element arithmetic), so results are bitwise the
 // same on any thread count (with a given blocking: two CPU models with different kc round
 // differently).
-// Packed B is shared up to 16 MiB: threads claim 4-panel packing tasks with an atomic, each packs
-// those nobody has started, and waits only for a task the other thread is in the middle of, for a
-// bounded while: if that thread lost its core, it packs a copy itself. No barrier, so a busy core
-// costs no more than in a plain fork/join. Larger B: each thread packs the blocks it needs. Buffers
-// are per thread and grow once: a steady-state GEMM allocates nothing.
+// Packed B is shared up to 16 MiB in products of 2^24 multiply-adds or more (shared_min_work):
+// threads claim 4-panel packing tasks with an atomic, each packs those nobody has started, and waits
+// only for a task the other thread is in the middle of, for a bounded while: if that thread lost its
+// core, it packs a copy itself. No barrier, so a busy core costs no more than in a plain fork/join.
+// Larger B, or smaller products: each thread packs the blocks it needs. Buffers are per thread and
+// grow once: a steady-state GEMM allocates nothing.
 //
 // Measured (bench_kernels, the 17 large products of configurations B and C, fraction of the FP32
 // peak, min / median / max over the shapes; gemm.hpp has the AVX-512 details):
@@ -286,6 +287,15 @@ struct gemm_packed_t {
     /// multiply-adds: configuration A's products (256 rows, 2^22-2^23) were 1% slower in its
     /// training step split by columns (Zen 5).
     static constexpr double col_split_min_work = double(1 << 24);
+    /// Products of fewer multiply-adds split by rows pack B privately: each thread packs every panel
+    /// itself, nothing claimed or waited for. On the 2-core Zen 5 VM the two vCPUs do not share an
+    /// L3 (a 12 MiB buffer one thread had read came to the other at 16-28 GB/s, against 60-76 GB/s
+    /// for the first thread reading it again), so half of a shared packed B reached each thread from
+    /// the other's cache. Configuration A's step (its products 2^22-2^23 multiply-adds), one process
+    /// alternating the two rules, medians of 20 rounds of 20 steps, three runs: 19.8 / 19.0 / 22.2 →
+    /// 18.9 / 18.4 / 21.5 ms; B's step (12 rounds of 3) 213.0 → 212.1 ms. Sharing no product at
+    /// all (the same way, another hour): B 188.4 → 187.2 ms, C's step (8 rounds) 641.7 → 643.4.
+    static constexpr double shared_min_work = double(1 << 24);
     /// How far ahead (floats) copy_block prefetches its source.
     static constexpr index_t prefetch_distance = 2048;
 
@@ -520,7 +530,8 @@ struct gemm_packed_t {
         // Up to bl.col_split_rows rows, the threads take C's columns instead (see packed_blocking).
         const bool by_cols = threads > 1 && m <= bl.col_split_rows && n >= 2 * nr * threads &&
                              double(m) * double(n) * double(k) >= col_split_min_work;
-        const bool shared = threads > 1 && !by_cols && blocks * kc * nc <= shared_b_max;
+        const bool shared = threads > 1 && !by_cols && double(m) * double(n) * double(k) >= shared_min_work &&
+                            blocks * kc * nc <= shared_b_max;
         const bool banded = !band.none();
         float* shared_b = shared ? thread_buffer(2, blocks * kc * nc) : nullptr;
         std::atomic<int>* states = shared ? task_states(blocks * tasks) : nullptr;
