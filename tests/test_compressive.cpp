@@ -311,8 +311,8 @@ TEST_CASE("compressive_transformer: batch 1 over the absorbed memory is bitwise 
 
 TEST_CASE("compressive_transformer: training over the absorbed memory at batch 8 is bitwise the same on 1, 2 and 3 threads") {
     // Configuration A's route at a smaller size: 8 positions over 72 memory rows of d_model 128 take
-    // the absorbed memory, whose per-batch-element loops deal the elements to the threads one at a
-    // time (parallel_items) with one scratch block per thread, the kept normalised rows (ẑ) from the
+    // the absorbed memory, whose per-batch-element loops split the elements over the threads
+    // (parallel_range) with one scratch block per thread, the kept normalised rows (ẑ) from the
     // second segment on.
     using m_t = mnemo::compressive_transformer<float, mnemo::config<128, 4, 2>>;
     std::vector<float> logits[3], grads[3];

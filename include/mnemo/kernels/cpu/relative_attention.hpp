@@ -438,11 +438,14 @@ private:
         for_each_head(qb * D * Dk, [&](index_t h) {
             K::gemm_nn(qb, D, Dk, qu + h * Dk, D, wk + h * Dk * D, D, qt + h * qb * D, D);
         });
-        // The batch elements go to whichever thread is free (parallel_items): configuration A's step on
-        // the 2-core Zen 3 VM, tools/gomp_regions.c, two interleaved rounds each: one thread waiting for
-        // the other in this region 1.21-1.86% of the step with fixed halves, 0.55-0.79% dealt (in
-        // absorbed_backward's, 1.44-2.43% → 0.60-0.64%).
-        parallel_items(batch_, worth_threads(), [&](index_t b0, index_t b1) {
+        // The batch elements in fixed halves (parallel_range), the same thread for an element in every
+        // layer and in the backward, which finds its scores in that core's caches. Dealt to whichever
+        // thread was free (parallel_items), the wait at the region's end fell (Zen 3 VM, 2026-12-04:
+        // 1.21-1.86% → 0.55-0.79% of A's step here, 1.44-2.43% → 0.60-0.64% in absorbed_backward's),
+        // but on the Zen 5 VM, whose two vCPUs share no L3, A's step was 4% slower dealt: one process
+        // alternating the two, medians of 20 rounds of 20 steps, two runs: 18.7 / 18.7 ms dealt, 18.0
+        // / 17.8 in halves.
+        parallel_range(batch_, worth_threads(), [&](index_t b0, index_t b1) {
             T* qg = hat ? blocks + thread_slot(b0, b1) * hq * (D + 1) : nullptr;  // q̃∘γ [H·Q, D], then q̃·β [H·Q]
             for (index_t b = b0; b < b1; ++b) {
                 T* ab = attn + b * hq * k_len_;
@@ -525,7 +528,7 @@ private:
                     }
                     dc[b * hq + h * q_len_ + i] = dot;
                 }
-        parallel_items(batch_, worth_threads(), [&](index_t b0, index_t b1) {
+        parallel_range(batch_, worth_threads(), [&](index_t b0, index_t b1) {  // halves, as absorbed_forward's
             // The whole range on one call: any block will do; otherwise this thread's own.
             T* dzb = dz_blocks ? dz_blocks + thread_slot(b0, b1) * mem * D : nullptr;
             T* dug = hat ? blocks + thread_slot(b0, b1) * hq * (D + 1) : nullptr;  // dU∘γ [H·Q, D]
@@ -583,7 +586,7 @@ private:
         }
         return dot;
     }
-    /// The per-thread scratch block of a parallel_items call over [b0, b1) of the batch: block 0 when
+    /// The per-thread scratch block of a parallel_range call over [b0, b1) of the batch: block 0 when
     /// one call has the whole range, else the thread's own (see relative_attention::parallel_slots).
     /// Every batch element writes its block before reading it, so which thread takes it does not matter.
     index_t thread_slot(index_t b0, index_t b1) const { return b1 - b0 == batch_ ? 0 : omp_get_thread_num(); }
