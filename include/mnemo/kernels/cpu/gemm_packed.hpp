@@ -30,11 +30,11 @@
 //   nc = 4096  2048: 185 / 4096: 182-186 at mc 96, within the noise; BLIS uses 4080 here.
 //   Prefetching each tile's rows of C before its k loop changed nothing (92.2 against 91.3).
 // Packing: rows of A [M, K] are copied with a row stride of kc_cap + lanes floats (a panel's rows
-// would otherwise share a few L1 sets); for gemm_tn A [K, M] is copied as it lies, mr columns a
-// row padded to a whole vector, and the kernel reads it with the other stride: nothing is transposed. B [K, N] is copied into
-// nr-column panels 16 rows at a time; B [N, K] (gemm_nt) goes through lanes × lanes register
-// transposes. The source is prefetched ahead (a row of A is too short a run for the hardware
-// prefetcher).
+// would otherwise share a few L1 sets); for gemm_tn A [K, M] is copied as it lies, mr columns a row
+// padded to a whole vector, and the kernel reads it with the other stride: nothing is transposed.
+// B [K, N] is copied into nr-column panels 16 rows at a time; B [N, K] (gemm_nt) goes through
+// lanes × lanes register transposes. The source is prefetched ahead (a row of A is too short a run
+// for the hardware prefetcher).
 //
 // Threads: each owns a block of C's rows at tile boundaries. Every element of C sums over k in the
 // same order whatever the split (K blocks depend on k and the blocking alone, each row of a tile is
@@ -344,7 +344,8 @@ struct gemm_packed_t {
             for (index_t i = 0; i < mb; i += mr) {
                 float* d = dst + (i / mr) * tn_panel;
                 for (index_t p = p1; p < std::min(kb, p1 + 16); ++p) prefetch(src + p * ld + i);
-                for (index_t p = p0; p < p1; ++p) Isa::store(d + p * lanes, Isa::load_partial(src + p * ld + i, std::min(mr, mb - i)));
+                for (index_t p = p0; p < p1; ++p)
+                    Isa::store(d + p * lanes, Isa::load_partial(src + p * ld + i, std::min(mr, mb - i)));
             }
         }
     }
