@@ -528,11 +528,11 @@ struct gemm_packed_t {
         const index_t tiles = (m + mr - 1) / mr;
         threads = int(std::min<index_t>(threads, tiles));
         const index_t blocks = (k + kc - 1) / kc * ((n + nc - 1) / nc), tasks = (nc + task_cols - 1) / task_cols;
+        const double work = double(m) * double(n) * double(k);
         // Up to bl.col_split_rows rows, the threads take C's columns instead (see packed_blocking).
-        const bool by_cols = threads > 1 && m <= bl.col_split_rows && n >= 2 * nr * threads &&
-                             double(m) * double(n) * double(k) >= col_split_min_work;
-        const bool shared = threads > 1 && !by_cols && double(m) * double(n) * double(k) >= shared_min_work &&
-                            blocks * kc * nc <= shared_b_max;
+        const bool by_cols =
+            threads > 1 && m <= bl.col_split_rows && n >= 2 * nr * threads && work >= col_split_min_work;
+        const bool shared = threads > 1 && !by_cols && work >= shared_min_work && blocks * kc * nc <= shared_b_max;
         const bool banded = !band.none();
         float* shared_b = shared ? thread_buffer(2, blocks * kc * nc) : nullptr;
         std::atomic<int>* states = shared ? task_states(blocks * tasks) : nullptr;
