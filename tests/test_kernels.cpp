@@ -5,7 +5,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -214,42 +213,6 @@ TEST_CASE("parallel_phases: each phase sees every write of the one before, on 1,
     omp_set_num_threads(saved);
 }
 
-TEST_CASE("parallel_items: every item once, one per call on 2 and 3 threads, [0, n) in one call on 1") {
-    const int saved = omp_get_max_threads();
-    for (int threads = 1; threads <= 3; ++threads) {
-        omp_set_num_threads(threads);
-        for (index_t n : {0, 1, 2, 5, 32, 97}) {
-            std::vector<int> runs(std::size_t(n), 0), by(std::size_t(n), -1);
-            std::atomic<int> calls{0}, wide{0};
-            mnemo::parallel_items(n, true, [&](index_t i0, index_t i1) {
-                ++calls;
-                if (i1 - i0 != 1) ++wide;
-                for (index_t i = i0; i < i1; ++i) {
-                    ++runs[std::size_t(i)];  // each item has one writer
-                    by[std::size_t(i)] = omp_get_thread_num();
-                }
-            });
-            for (int r : runs) CHECK(r == 1);
-            const bool threaded = threads > 1 && n > 1;
-            CHECK(calls.load() == (threaded ? int(n) : (n > 0 ? 1 : 0)));
-            if (threaded) CHECK(wide.load() == 0);
-            for (int t : by) CHECK(t < std::min<int>(threads, int(std::max<index_t>(n, 1))));
-        }
-        // Not worth it, or already inside a region: the calling thread runs [0, n) in one call.
-        int one_call = 0;
-        mnemo::parallel_items(7, false, [&](index_t i0, index_t i1) { one_call += (i0 == 0 && i1 == 7); });
-        CHECK(one_call == 1);
-        int nested = 0;
-#pragma omp parallel num_threads(2)
-        {
-#pragma omp single
-            mnemo::parallel_items(7, true, [&](index_t i0, index_t i1) { nested += (i0 == 0 && i1 == 7); });
-        }
-        CHECK(nested == 1);
-    }
-    omp_set_num_threads(saved);
-}
-
 TEST_CASE("hold_threads: loops inside run on the held threads with the same split; nested calls, values, exceptions") {
     constexpr index_t n = 37;
     constexpr int rounds = 200;
@@ -302,9 +265,6 @@ TEST_CASE("hold_threads: loops inside run on the held threads with the same spli
                             });
                         }),
                         std::runtime_error);
-        std::atomic<int> calls{0};
-        mnemo::hold_threads([&] { mnemo::parallel_items(5, true, [&](index_t, index_t) { ++calls; }); });
-        CHECK(calls.load() == (threads > 1 ? 5 : 1));
     }
     omp_set_num_threads(saved);
 }

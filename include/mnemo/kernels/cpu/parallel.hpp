@@ -19,14 +19,6 @@
 // libgomp) two empty regions in a row took 7.0-7.1 µs and one with a barrier 4.7-5.2 (libomp: 3.8-4.0
 // and 2.3-2.4).
 //
-//   parallel_items(n, worth_it, [&](index_t begin, index_t end) { ... });
-//
-// The same contract, with the items dealt one at a time to whichever thread is free (a shared
-// counter) instead of in fixed blocks: for a few dozen equal, heavy items (a batch element's
-// attention), where a thread that a neighbouring VM slows for a while would leave the other waiting
-// at the end of a fixed block. The body gets [i, i + 1) per item in parallel, [0, n) on one thread;
-// which thread runs an item must not change what it computes.
-//
 //   parallel_invoke(worth_it, f, g);
 //
 // f() and g() at the same time, one per thread (in order on one thread): two independent pieces of
@@ -287,21 +279,6 @@ inline void parallel_phases(bool worth_it, index_t n1, F&& first, index_t n2, G&
         return;
     }
     parallel_team(threads, [&](index_t t, index_t nt) { detail::run_phases(t, nt, n1, first, n2, second, rest...); });
-}
-
-template <class F>
-inline void parallel_items(index_t n, bool worth_it, F&& body) {
-    if (n <= 0) return;
-    const index_t threads = parallel_threads(n, worth_it);
-    if (threads <= 1) {
-        body(index_t(0), n);
-        return;
-    }
-    std::atomic<index_t> next{0};
-    parallel_team(threads, [&](index_t, index_t) {
-        for (index_t i = next.fetch_add(1, std::memory_order_relaxed); i < n; i = next.fetch_add(1, std::memory_order_relaxed))
-            body(i, i + 1);
-    });
 }
 
 template <class F, class G>

@@ -439,12 +439,12 @@ private:
             K::gemm_nn(qb, D, Dk, qu + h * Dk, D, wk + h * Dk * D, D, qt + h * qb * D, D);
         });
         // The batch elements in fixed halves (parallel_range), the same thread for an element in every
-        // layer and in the backward, which finds its scores in that core's caches. Dealt to whichever
-        // thread was free (parallel_items), the wait at the region's end fell (Zen 3 VM, 2026-12-04:
-        // 1.21-1.86% → 0.55-0.79% of A's step here, 1.44-2.43% → 0.60-0.64% in absorbed_backward's),
-        // but on the Zen 5 VM, whose two vCPUs share no L3, A's step was 4% slower dealt: one process
-        // alternating the two, medians of 20 rounds of 20 steps, two runs: 18.7 / 18.7 ms dealt, 18.0
-        // / 17.8 in halves.
+        // layer and in the backward, which finds its scores in that core's caches. Dealt one at a time
+        // to whichever thread was free (a shared counter), the wait at the region's end fell (Zen 3 VM,
+        // 2026-12-04: 1.21-1.86% → 0.55-0.79% of A's step here, 1.44-2.43% → 0.60-0.64% in
+        // absorbed_backward's), but on the Zen 5 VM, whose two vCPUs share no L3, A's step was 4%
+        // slower dealt: one process alternating the two, medians of 20 rounds of 20 steps, two runs:
+        // 18.7 / 18.7 ms dealt, 18.0 / 17.8 in halves.
         parallel_range(batch_, worth_threads(), [&](index_t b0, index_t b1) {
             T* qg = hat ? blocks + thread_slot(b0, b1) * hq * (D + 1) : nullptr;  // q̃∘γ [H·Q, D], then q̃·β [H·Q]
             for (index_t b = b0; b < b1; ++b) {
