@@ -235,7 +235,9 @@ struct packed_tuning<packed_isa_avx512> {
     // on 1 (mc 126 / 504, nc 4096, kc 256 / 384, no column split); mc 504 against 252 in 8 more pairs
     // 321 against 315 GFLOP/s on 2 threads, 161 against 159 on 1: within the noise. The tile alone,
     // operands in L1, reaches 0.77-0.87 there: the gap is packing (9% of a 2048×512×2048 product) and
-    // B's panels from L3, not the blocking.
+    // B's panels from L3, not the blocking. Again 2026-12-05 (same VM kind, peak 420-432 on 2
+    // threads), 4 interleaved rounds of 3 on 2 threads: mc 252 0.654-0.674, mc 504 0.662-0.669, mc
+    // 126 0.644-0.662; kc 256 / 384, nc 4096 and no column split 0.647-0.667 in one sweep: kept.
     static constexpr packed_blocking xeon_gnr{"xeon-gnr (zen5's values, measured)", 512, 252, 2048, 1024};
     static constexpr packed_blocking for_model(cpu_model m) {
         return m == cpu_model::zen4 ? zen4 : m == cpu_model::xeon_spr ? xeon_spr : m == cpu_model::xeon_gnr ? xeon_gnr : zen5;
