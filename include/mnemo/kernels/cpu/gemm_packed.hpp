@@ -238,6 +238,8 @@ struct packed_tuning<packed_isa_avx512> {
     // B's panels from L3, not the blocking. Again 2026-12-05 (same VM kind, peak 420-432 on 2
     // threads), 4 interleaved rounds of 3 on 2 threads: mc 252 0.654-0.674, mc 504 0.662-0.669, mc
     // 126 0.644-0.662; kc 256 / 384, nc 4096 and no column split 0.647-0.667 in one sweep: kept.
+    // kc 1024 (a scratch build with kc_cap 1024), the 51 products on one thread, mean GFLOP/s of 2
+    // interleaved rounds: mc 252 156.0 / 155.3, mc 126 155.4 / 154.2, this setting 154.2 / 156.0.
     static constexpr packed_blocking xeon_gnr{"xeon-gnr (zen5's values, measured)", 512, 252, 2048, 1024};
     static constexpr packed_blocking for_model(cpu_model m) {
         return m == cpu_model::zen4 ? zen4 : m == cpu_model::xeon_spr ? xeon_spr : m == cpu_model::xeon_gnr ? xeon_gnr : zen5;
