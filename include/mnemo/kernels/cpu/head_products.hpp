@@ -262,6 +262,35 @@ private:
         f.template operator()<Max>();
     }
 
+    /// The coefficients a depth block's tiles will read (those the band lets them see), asked into L2
+    /// in memory order before the first tile. A tile reads them as 12 short runs (nn: 12 rows apart)
+    /// or one short run per depth step (tn: 12 floats of every row), patterns the hardware
+    /// prefetchers follow poorly, and inside a training step they often come from L3 or DRAM: the
+    /// attention probabilities the backward reads were written by the forward long before.
+    /// Configuration B's 128×384×32 tn (dV = Aᵀ·dO, dK = dSᵀ·q) took 78 µs a product inside the step
+    /// (nn 29 µs, either 19-20 µs with hot operands); with the sweep 45-48 µs, B's per-head products
+    /// 168-170 → 143-148 ms of thread time a step, and the step about 4% faster, ahead in 9 of 9
+    /// interleaved rounds (Granite Rapids VM, docs/performance.md). Rows with stride 1 in neither
+    /// direction (no caller has them) are left to the hardware. Not inlined: the prefetch's asm
+    /// inside rows_product's body made g++ keep the tiles' accumulators on the stack (3× slower).
+    template <class T>
+    [[gnu::noinline]] static void prefetch_coefficients(index_t rows, index_t p0, index_t depth, const T* a, index_t rs,
+                                                        index_t ps, causal_keys band, bool queries) {
+        constexpr index_t line = index_t(64 / sizeof(T));
+        auto run = [](const T* q, index_t n) {
+            if (n <= 0) return;
+            for (index_t i = 0; i < n; i += line) prefetch_l2(q + i);
+            prefetch_l2(q + n - 1);  // the last line, when q is not line-aligned
+        };
+        if (ps == 1) {  // nn: row r's coefficients over the block's depth (keys when queries)
+            for (index_t r = 0; r < rows; ++r)
+                run(a + r * rs, queries ? std::clamp<index_t>(band.end(r + 1) - p0, 0, depth) : depth);
+        } else if (rs == 1) {  // tn: depth step p's coefficients over the rows (keys when !queries)
+            for (index_t p = 0; p < depth; ++p)
+                run(a + p * ps, queries ? rows : std::min(rows, band.end(p0 + p + 1)));
+        }
+    }
+
     template <index_t Dk_, class T>
     static void rows_product(index_t dk, index_t rows, index_t depth, const T* a, index_t rs, index_t ps, const T* y_in,
                              index_t ldy_in, T* o, index_t ldo, bool accumulate, causal_keys band = {},
@@ -279,6 +308,7 @@ private:
             const index_t ldy = copy ? Dk : ldy_in;
             const bool load_o = accumulate || p0 > 0;
             const T* ab = a + p0 * ps;
+            prefetch_coefficients(rows, p0, pb, ab, rs, ps, band, queries);
             for (index_t v0 = 0; v0 < V; v0 += max_tile_vectors) {
                 const index_t vc = std::min(max_tile_vectors, V - v0);
                 const T* yc = y + v0 * W;
@@ -550,6 +580,16 @@ private:
     // the row prefetch_ahead rows on (past the end: a prefetch never faults) overlaps the misses; the
     // pack of the keys was a third of the scores' time in configuration B's forward without it.
     static constexpr index_t prefetch_ahead = 8;
+    /// A read prefetch into L2 (prefetcht1), as volatile asm on x86: g++ 12 -O2 deleted
+    /// prefetch_coefficients' loops, which do nothing but prefetch, when they were written with
+    /// __builtin_prefetch or _mm_prefetch (the binary had none of their instructions).
+    static void prefetch_l2(const void* p) {
+#if defined(__x86_64__) || defined(__i386__)
+        asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+        __builtin_prefetch(p, 0, 2);
+#endif
+    }
     template <class T>
     static void prefetch_row(const T* p, index_t n) {
         for (index_t i = 0; i < n; i += index_t(64 / sizeof(T))) __builtin_prefetch(p + i);
