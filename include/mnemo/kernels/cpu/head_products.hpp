@@ -269,7 +269,7 @@ private:
     /// attention probabilities the backward reads were written by the forward long before.
     /// Configuration B's 128×384×32 tn (dV = Aᵀ·dO, dK = dSᵀ·q) took 78 µs a product inside the step
     /// (nn 29 µs, either 19-20 µs with hot operands); with the sweep 45-48 µs, B's per-head products
-    /// 168-170 → 143-148 ms of thread time a step, and the step about 4% faster, ahead in 9 of 9
+    /// 168-170 → 143-148 ms of thread time a step, and the step about 4% faster, ahead in 13 of 13
     /// interleaved rounds (Granite Rapids VM, docs/performance.md). Rows with stride 1 in neither
     /// direction (no caller has them) are left to the hardware. Not inlined: the prefetch's asm
     /// inside rows_product's body made g++ keep the tiles' accumulators on the stack (3× slower).
@@ -580,7 +580,7 @@ private:
     // the row prefetch_ahead rows on (past the end: a prefetch never faults) overlaps the misses; the
     // pack of the keys was a third of the scores' time in configuration B's forward without it.
     static constexpr index_t prefetch_ahead = 8;
-    /// A read prefetch into L2 (prefetcht1), as volatile asm on x86: g++ 12 -O2 deleted
+    /// A read prefetch into L2 (prefetcht1), as volatile asm on x86: an optimising g++ 12 deleted
     /// prefetch_coefficients' loops, which do nothing but prefetch, when they were written with
     /// __builtin_prefetch or _mm_prefetch (the binary had none of their instructions).
     static void prefetch_l2(const void* p) {
