@@ -262,6 +262,17 @@ private:
         f.template operator()<Max>();
     }
 
+    /// A read prefetch into L2 (prefetcht1), as volatile asm on x86: an optimising g++ 12 deleted
+    /// prefetch_coefficients' loops, which do nothing but prefetch, when they were written with
+    /// __builtin_prefetch or _mm_prefetch (the binary had none of their instructions).
+    static void prefetch_l2(const void* p) {
+#if defined(__x86_64__) || defined(__i386__)
+        asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+        __builtin_prefetch(p, 0, 2);
+#endif
+    }
+
     /// The coefficients a depth block's tiles will read (those the band lets them see), asked into L2
     /// in memory order before the first tile. A tile reads them as 12 short runs (nn: 12 rows apart)
     /// or one short run per depth step (tn: 12 floats of every row), patterns the hardware
@@ -580,16 +591,6 @@ private:
     // the row prefetch_ahead rows on (past the end: a prefetch never faults) overlaps the misses; the
     // pack of the keys was a third of the scores' time in configuration B's forward without it.
     static constexpr index_t prefetch_ahead = 8;
-    /// A read prefetch into L2 (prefetcht1), as volatile asm on x86: an optimising g++ 12 deleted
-    /// prefetch_coefficients' loops, which do nothing but prefetch, when they were written with
-    /// __builtin_prefetch or _mm_prefetch (the binary had none of their instructions).
-    static void prefetch_l2(const void* p) {
-#if defined(__x86_64__) || defined(__i386__)
-        asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
-#else
-        __builtin_prefetch(p, 0, 2);
-#endif
-    }
     template <class T>
     static void prefetch_row(const T* p, index_t n) {
         for (index_t i = 0; i < n; i += index_t(64 / sizeof(T))) __builtin_prefetch(p + i);
