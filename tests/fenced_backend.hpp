@@ -321,6 +321,7 @@ struct ops<fenced> {
     static constexpr bool defers_weight_decay = ops<cpu>::defers_weight_decay;
     static constexpr bool scores_grad_scratch = ops<cpu>::scores_grad_scratch;
     static constexpr index_t positional_scratch_from = ops<cpu>::positional_scratch_from;
+    static constexpr bool plain_attention_scratch = ops<cpu>::plain_attention_scratch;
     /// fn(), the threads not held: every kernel here opens and closes the fence with mprotect, and a
     /// held thread spinning on the other core turns each into a TLB shootdown to it (the fenced
     /// generation test took 84 s instead of 33 on the 2-core VM). Holding changes no result.

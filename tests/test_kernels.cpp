@@ -673,3 +673,73 @@ TEST_CASE("CPU memory: copy gives memmove's bytes for overlapping and apart rang
         }
     }
 }
+
+TEST_CASE("plain attention: with no probabilities buffer, the context is bitwise the saved run's, on 1-3 threads, "
+          "masked keys too, and matches a double-precision attention") {
+    // plain_attention_forward with a null `a` (ops<cpu>::plain_attention_scratch) keeps each head's
+    // probabilities in its thread's block instead of [B, H, Q, n].
+    constexpr mnemo::static_extents dyn{};
+    const index_t B = 3, H = 2, dk = 8, d = H * dk, Q = 5, n = 7, ld = B * d;
+    const float scale = 1.0f / std::sqrt(float(dk));
+    const auto q = random_vector<float>(Q * ld, 21), k = random_vector<float>(n * ld, 22),
+               v = random_vector<float>(n * ld, 23);
+    // Batch element 1 masks keys 0, 3 and 6; the others mask none.
+    std::vector<std::uint8_t> keep(std::size_t(B * n), 1), any{0, 1, 0};
+    for (index_t j : {0, 3, 6}) keep[std::size_t(n + j)] = 0;
+    const int saved = omp_get_max_threads();
+    for (bool masked : {false, true}) {
+        CAPTURE(masked);
+        const std::uint8_t* kp = masked ? keep.data() : nullptr;
+        const std::uint8_t* ap = masked ? any.data() : nullptr;
+        std::vector<float> a(std::size_t(B * H * Q * n)), saved_out(std::size_t(Q * ld));
+        omp_set_num_threads(1);
+        K::plain_attention_forward<dyn>(B, H, d, dk, Q, n, scale, q.data(), k.data(), v.data(), a.data(),
+                                        saved_out.data(), kp, ap);
+        for (int threads = 1; threads <= 3; ++threads) {
+            CAPTURE(threads);
+            omp_set_num_threads(threads);
+            std::vector<float> out(std::size_t(Q * ld), -1.0f);
+            float* no_probabilities = nullptr;
+            K::plain_attention_forward<dyn>(B, H, d, dk, Q, n, scale, q.data(), k.data(), v.data(), no_probabilities,
+                                            out.data(), kp, ap);
+            CHECK(out == saved_out);
+        }
+        omp_set_num_threads(saved);
+        // Against a double-precision attention, probabilities and context.
+        double worst_a = 0, worst_out = 0;
+        for (index_t b = 0; b < B; ++b)
+            for (index_t h = 0; h < H; ++h)
+                for (index_t i = 0; i < Q; ++i) {
+                    std::vector<double> p(static_cast<std::size_t>(n));
+                    double mx = -1e300, sum = 0;
+                    for (index_t j = 0; j < n; ++j) {
+                        if (masked && !keep[std::size_t(b * n + j)]) continue;
+                        double s = 0;
+                        for (index_t t = 0; t < dk; ++t)
+                            s += double(q[std::size_t(i * ld + b * d + h * dk + t)]) *
+                                 double(k[std::size_t(j * ld + b * d + h * dk + t)]);
+                        p[std::size_t(j)] = s * scale;
+                        mx = std::max(mx, p[std::size_t(j)]);
+                    }
+                    for (index_t j = 0; j < n; ++j) {
+                        const bool hidden = masked && !keep[std::size_t(b * n + j)];
+                        p[std::size_t(j)] = hidden ? 0.0 : std::exp(p[std::size_t(j)] - mx);
+                        sum += p[std::size_t(j)];
+                    }
+                    for (index_t j = 0; j < n; ++j) {
+                        p[std::size_t(j)] /= sum;
+                        const float got = a[std::size_t(((b * H + h) * Q + i) * n + j)];
+                        worst_a = std::max(worst_a, std::abs(double(got) - p[std::size_t(j)]));
+                    }
+                    for (index_t t = 0; t < dk; ++t) {
+                        double o = 0;
+                        for (index_t j = 0; j < n; ++j)
+                            o += p[std::size_t(j)] * double(v[std::size_t(j * ld + b * d + h * dk + t)]);
+                        worst_out = std::max(worst_out,
+                                             std::abs(o - double(saved_out[std::size_t(i * ld + b * d + h * dk + t)])));
+                    }
+                }
+        CHECK(worst_a < 1e-6);
+        CHECK(worst_out < 1e-5);
+    }
+}

@@ -34,7 +34,7 @@
 //                 sum_squares_live, scale_live (kernels/optimizer_state.hpp; the global gradient norm),
 //                 pay_deferred_decay (the deferred weight decay of rows nothing read)
 //
-// Besides the kernels, three constants say what a backend does differently (MNEMO_KERNEL_TRAITS, checked
+// Besides the kernels, five constants say what a backend does differently (MNEMO_KERNEL_TRAITS, checked
 // the same way):
 //   absorbs_memory        relative attention may take the absorbed-memory route (nn/attention/relative.hpp)
 //   defers_weight_decay   the decoupled optimizers may defer the decay of cold blocks (core/parameters.hpp)
@@ -44,6 +44,9 @@
 //                         positional scores q·R (forward) and their gradient d_pos (backward) in scratch
 //                         of its own: the module hands it no [H, Q·B, W] pos buffer
 //                         (no_positional_scratch: never)
+//   plain_attention_scratch  plain_attention_forward may be handed no probabilities buffer (a null
+//                         `a`) where nothing reads them back, and keeps each head's in scratch of its
+//                         own: the attention-reconstruction loss's target attention over the memory
 // and one scope (MNEMO_KERNEL_SCOPES), a call that runs the caller's own code:
 //   hold_threads(fn)      fn() with the backend's host threads kept ready for the kernels fn calls
 //                         (the CPU: one OpenMP region held open around fn, kernels/cpu/parallel.hpp;
@@ -71,7 +74,8 @@
     X(scale_shift_rows) X(sum_as_double) X(scale_by_count) X(axpy) X(weighted_sum_rows)                    \
     X(adam_step) X(adam_cold_blocks) X(sgd_step) X(sum_squares_live) X(scale_live) X(pay_deferred_decay)
 
-#define MNEMO_KERNEL_TRAITS(X) X(absorbs_memory) X(defers_weight_decay) X(scores_grad_scratch) X(positional_scratch_from)
+#define MNEMO_KERNEL_TRAITS(X) X(absorbs_memory) X(defers_weight_decay) X(scores_grad_scratch) X(positional_scratch_from) \
+    X(plain_attention_scratch)
 
 #define MNEMO_KERNEL_SCOPES(X) X(hold_threads)
 

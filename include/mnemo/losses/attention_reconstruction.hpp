@@ -131,7 +131,9 @@ public:
                                  attn.value().bias().value(), km.data(), kc.data(), vm.data(), vc.data());
 
         view<T, DM, Backend> out_m(out_m_.ensure(qb * D), qb, D), out_c(out_c_.ensure(qb * D), qb, D);
-        T* a_m = a_m_.ensure(batch * H * q_len * m_len);
+        // The target attention's probabilities are not read back: a backend with
+        // plain_attention_scratch keeps them in scratch of its own (kernels/kernel_table.hpp).
+        T* a_m = kernels::plain_attention_scratch ? nullptr : a_m_.ensure(batch * H * q_len * m_len);
         T* a_c = a_c_.ensure(batch * H * q_len * c_len);
         // Key masks [B, n] (1 = visible) from the padding of m and of the compressed slots.
         const std::uint8_t *keep_m = nullptr, *keep_c = nullptr, *any_m = nullptr, *any_c = nullptr;

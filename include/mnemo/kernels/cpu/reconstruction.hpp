@@ -4,6 +4,9 @@
 // the plain (position-free) attention over the memory and over its compression with its backward,
 // the key masks from the memory's padding, and the key/value projections of both key sets.
 #include <cstdint>
+#include <vector>
+
+#include <Eigen/Core>
 
 #include "parallel.hpp"
 #include "../../core/shape.hpp"
@@ -100,7 +103,12 @@ struct reconstruction {
 
     /// out [Q·B, D] = per (b, head) softmax(scale·q·kᵀ)·v over all n keys (q, k, v, out rows
     /// position·B + b, row stride B·D); a [B, H, Q, n] saved. keep [B, n] (null: none; 1 = visible)
-    /// masks keys of the batch elements with any[b] set.
+    /// masks keys of the batch elements with any[b] set. With a null `a` (ops<cpu>::
+    /// plain_attention_scratch) the probabilities are not kept: each head's go through its thread's
+    /// block (probability_block), which stays in L2 from the scores' product to the context's.
+    /// Configuration B's target attention (the loss's a_m, 4 MB) written to its [B, H, Q, n] buffer
+    /// took 28 µs a 128×128×32 score product inside the training step, 15-16 µs in the block
+    /// (Granite Rapids VM, docs/performance.md).
     template <static_extents E, class T>
     static void plain_attention_forward(index_t batch, index_t heads, index_t d, index_t dk, index_t q_len, index_t n,
                                         T scale, const T* q, const T* k, const T* v, T* a, T* out,
@@ -108,10 +116,11 @@ struct reconstruction {
         using H = heads_for<E>;
         const index_t ld = batch * d;
         parallel_range(batch * heads, true, [&](index_t begin, index_t end) {
+            T* block = a ? nullptr : probability_block<T>(q_len * n);
             for (index_t bh = begin; bh < end; ++bh) {
                 const index_t b = bh / heads, hh = bh % heads;
                 const index_t off = b * d + hh * dk;
-                T* ab = a + (b * heads + hh) * q_len * n;
+                T* ab = a ? a + (b * heads + hh) * q_len * n : block;
                 H::gemm_nt(dk, q_len, n, q + off, ld, k + off, ld, ab, n);
                 softmax_mask mask{};
                 if (keep && any[b]) {
@@ -144,6 +153,16 @@ struct reconstruction {
                 H::gemm_tn(dk, q_len, n, dab, n, q + off, ld, dk_out + off, ld);  // dk
             }
         });
+    }
+
+private:
+    /// This thread's block of at least n elements for plain_attention_forward's unsaved
+    /// probabilities. Grown once, kept: a steady-state call allocates nothing.
+    template <class T>
+    static T* probability_block(index_t n) {
+        thread_local std::vector<T, Eigen::aligned_allocator<T>> block;
+        if (block.size() < std::size_t(n)) block.resize(std::size_t(n));
+        return block.data();
     }
 };
 

@@ -14,6 +14,9 @@
 //                                module's [B, H, Q, K] buffer (one launch over all heads)
 //   positional_scratch_from = no_positional_scratch  q·R and d_pos go through the module's
 //                                [H, Q·B, W] buffer at every length
+//   plain_attention_scratch = false  the reconstruction loss hands plain_attention_forward its
+//                                [B, H, Q, n] probabilities buffer always (one batched product over
+//                                all heads writes it)
 //   parallel_slots(n) = 1, concurrent_pair = false, hold_threads(fn) = fn(): no host threads; the
 //                                stream orders everything
 //   the *_direct GEMMs are the ordinary ones (cuBLAS decides)
@@ -35,6 +38,7 @@ struct ops<cuda> {
     static constexpr bool defers_weight_decay = false;
     static constexpr bool scores_grad_scratch = false;
     static constexpr index_t positional_scratch_from = no_positional_scratch;
+    static constexpr bool plain_attention_scratch = false;
     /// No host threads to hold: fn().
     template <class F>
     static decltype(auto) hold_threads(F&& fn) {
