@@ -107,7 +107,7 @@ struct reconstruction {
     /// plain_attention_scratch) the probabilities are not kept: each head's go through its thread's
     /// block (probability_block), which stays in L2 from the scores' product to the context's.
     /// Configuration B's target attention (the loss's a_m, 4 MB) written to its [B, H, Q, n] buffer
-    /// took 28 µs a 128×128×32 score product inside the training step, 15-16 µs in the block
+    /// took 28-37 µs a 128×128×32 score product inside the training step, 15-17.5 µs in the block
     /// (Granite Rapids VM, docs/performance.md).
     template <static_extents E, class T>
     static void plain_attention_forward(index_t batch, index_t heads, index_t d, index_t dk, index_t q_len, index_t n,
