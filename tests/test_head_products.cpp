@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <utility>
@@ -355,4 +356,56 @@ TEST_CASE("head products: a causal band skips only what it masks") {
     band_sweep<float, 64>(seed);
     band_sweep<float, 8>(seed);
     band_sweep<double, 32>(seed);
+}
+
+TEST_CASE("head products: outputs written around the caches (stream_output) hold ordinary stores' bits") {
+    // rows_product streams a large single-block O whose rows lie apart (configuration B's dK and dV,
+    // 384 keys × 32, 16 KB apart). The same products into a misaligned O take ordinary stores; both
+    // must hold the same bits, with the columns between the rows untouched.
+    using H = mnemo::cpu_kernels::head_products;
+    constexpr index_t Dk = 32, ldo = 4096;
+    const float sentinel = -777.0f;
+    struct shape {
+        form f;
+        index_t m, n;
+    };
+    for (const shape& sh : {shape{form::tn, 128, 384}, shape{form::nn, 300, 100}}) {
+        const form f = sh.f;
+        const index_t m = sh.m, n = sh.n;  // nn: O [m, Dk], depth n; tn: O [n, Dk], depth m
+        const index_t rows = f == form::nn ? m : n;
+        const auto a = mnemo::testing::random_vector<float>(m * n, 71);
+        const auto y = mnemo::testing::random_vector<float>((f == form::nn ? n : m) * Dk, 72);
+        std::vector<float> bufs[2];
+        float* outs[2];
+        for (int k = 0; k < 2; ++k) {
+            bufs[k].assign(std::size_t(rows * ldo + 64), sentinel);
+            const std::size_t skew = (64 - reinterpret_cast<std::uintptr_t>(bufs[k].data()) % 64) % 64 / sizeof(float);
+            outs[k] = bufs[k].data() + skew + (k == 1 ? 1 : 0);  // k = 1: off the 64-byte lines
+        }
+        CAPTURE(int(f));
+        CHECK(H::stream_output(rows, Dk, outs[0], ldo) == mnemo::simd::streams<float>);
+        CHECK_FALSE(H::stream_output(rows, Dk, outs[1], ldo));
+        for (int k = 0; k < 2; ++k) {
+            if (f == form::nn) K::head_gemm_nn<Dk>(m, n, a.data(), n, y.data(), Dk, outs[k], ldo);
+            else K::head_gemm_tn<Dk>(m, n, a.data(), n, y.data(), Dk, outs[k], ldo);
+        }
+        bool same = true, untouched = true;
+        for (index_t r = 0; r < rows; ++r) {
+            same = same && std::memcmp(outs[0] + r * ldo, outs[1] + r * ldo, sizeof(float) * Dk) == 0;
+            for (index_t j = Dk; j < ldo && r + 1 < rows; ++j) untouched = untouched && outs[0][r * ldo + j] == sentinel;
+        }
+        CHECK(same);
+        CHECK(untouched);
+        // and right: one row against a double loop
+        double worst = 0;
+        for (index_t j = 0; j < Dk; ++j) {
+            double ref = 0;
+            const index_t r = rows / 2;
+            for (index_t p = 0; p < (f == form::nn ? n : m); ++p)
+                ref += f == form::nn ? double(a[std::size_t(r * n + p)]) * double(y[std::size_t(p * Dk + j)])
+                                     : double(a[std::size_t(p * n + r)]) * double(y[std::size_t(p * Dk + j)]);
+            worst = std::max(worst, std::fabs(ref - double(outs[0][r * ldo + j])));
+        }
+        CHECK(worst < 1e-4);
+    }
 }

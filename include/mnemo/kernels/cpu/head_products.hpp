@@ -36,6 +36,7 @@
 // tail (d_k not a whole number of vectors), which g++'s FMA contraction (-ffp-contract=fast, its
 // default) may fuse differently when the trip count is a constant.
 #include <algorithm>
+#include <cstdint>
 #include <type_traits>
 
 #include "../../core/shape.hpp"
@@ -85,6 +86,28 @@ struct head_products {
     static constexpr bool small(index_t m, index_t n, index_t dk) {
         return double(m) * double(n) * double(dk) < tiles_max_work;
     }
+
+    /// Whether rows_product writes O [rows, Dk] (row stride ldo) around the caches: when it is
+    /// written once, in one depth block, is at least stream_min_bytes, and its rows lie apart
+    /// (ldo > Dk) on whole vectors. Such an O is a head's slice of a [rows, B·D] or wider buffer, as
+    /// the attention's dK and dV (128-byte rows 16 KB apart in configuration B's [K·B, 2D] d keys
+    /// and values): each ordinary store first read its line from L3 or DRAM. B's two tn products
+    /// 37-39 → 25-28 µs (dK) and 57-60 → 45-50 µs (dV) a head, one thread, in a scratch loop over
+    /// its backward's buffers; B's step 1-2% faster at the median in 5 of 5 runs of 29 steps with
+    /// and 29 without, alternated step by step in one process (Granite Rapids VM,
+    /// docs/performance.md). What reads such an O (a GEMM over the whole buffer) comes after every
+    /// head, when it would have left L2 anyway. Only B's shapes qualify among A, B and C (C's d_k
+    /// of 64 takes its 256 queries in four depth blocks).
+    template <class T>
+    static bool stream_output(index_t rows, index_t dk, const T* o, index_t ldo) {
+        constexpr index_t W = simd::width<T>;
+        return simd::streams<T> && ldo > dk && double(rows) * double(dk) * sizeof(T) >= stream_min_bytes &&
+               reinterpret_cast<std::uintptr_t>(o) % (W * sizeof(T)) == 0 && ldo % W == 0 && dk % W == 0;
+    }
+    /// 32 KiB: B's dK and dV (384 keys × 32) stream; the reconstruction loss's (32 keys), the
+    /// context of its target attention (128 queries × 32) and a generated token's rows do not
+    /// (read again at once).
+    static constexpr double stream_min_bytes = 32 * 1024;
 
     /// S[M,N] = X[M,Dk]·Y[N,Dk]ᵀ
     template <index_t Dk, class T>
@@ -217,7 +240,7 @@ private:
 
     template <index_t R, index_t VC, class T>
     [[gnu::always_inline]] static inline void rows_tile(index_t depth, const T* a, index_t rs, index_t ps, const T* y,
-                                                        index_t ldy, T* o, index_t ldo, bool load_o) {
+                                                        index_t ldy, T* o, index_t ldo, bool load_o, bool stream_o) {
         using B = simd::batch<T>;
         constexpr index_t W = simd::width<T>;
         B c[R][VC];
@@ -231,6 +254,13 @@ private:
                 for (index_t v = 0; v < VC; ++v) c[r][v] = simd::fma(s, yv[v], c[r][v]);
             }
         }
+        if constexpr (simd::streams<T>) {
+            if (stream_o) {
+                for (index_t r = 0; r < R; ++r)
+                    for (index_t v = 0; v < VC; ++v) simd::stream_store(o + r * ldo + v * W, c[r][v]);
+                return;
+            }
+        }
         for (index_t r = 0; r < R; ++r)
             for (index_t v = 0; v < VC; ++v) simd::store(o + r * ldo + v * W, c[r][v]);
     }
@@ -240,14 +270,15 @@ private:
     /// are query rows and the depth keys, as nn's; else the rows are keys and the depth queries).
     template <index_t VC, class T>
     static void rows_chunk(index_t rows, index_t p0, index_t depth, const T* a, index_t rs, index_t ps, const T* y,
-                           index_t ldy, T* o, index_t ldo, bool load_o, causal_keys band, bool queries) {
+                           index_t ldy, T* o, index_t ldo, bool load_o, causal_keys band, bool queries,
+                           bool stream_o) {
         constexpr index_t R = std::min<index_t>(12, tile_registers<T> / VC);
         auto tile = [&]<index_t Rt>(index_t r) {
             const index_t begin = queries ? 0 : std::clamp<index_t>(band.first_query(r) - p0, 0, depth);
             const index_t end = queries ? std::clamp<index_t>(band.end(r + Rt) - p0, 0, depth) : depth;
             if (end <= begin && load_o) return;  // nothing to add (without load_o the tile still writes zeros)
             rows_tile<Rt, VC>(std::max<index_t>(0, end - begin), a + r * rs + begin * ps, rs, ps, y + begin * ldy, ldy,
-                              o + r * ldo, ldo, load_o);
+                              o + r * ldo, ldo, load_o, stream_o);
         };
         index_t r = 0;
         for (; r + R <= rows; r += R) tile.template operator()<R>(r);
@@ -320,15 +351,17 @@ private:
             const bool load_o = accumulate || p0 > 0;
             const T* ab = a + p0 * ps;
             prefetch_coefficients(rows, p0, pb, ab, rs, ps, band, queries);
+            const bool stream_o = !load_o && depth <= block && stream_output<T>(rows, Dk, o, ldo);
             for (index_t v0 = 0; v0 < V; v0 += max_tile_vectors) {
                 const index_t vc = std::min(max_tile_vectors, V - v0);
                 const T* yc = y + v0 * W;
                 T* oc = o + v0 * W;
-                if (vc == 4) rows_chunk<4>(rows, p0, pb, ab, rs, ps, yc, ldy, oc, ldo, load_o, band, queries);
-                else if (vc == 3) rows_chunk<3>(rows, p0, pb, ab, rs, ps, yc, ldy, oc, ldo, load_o, band, queries);
-                else if (vc == 2) rows_chunk<2>(rows, p0, pb, ab, rs, ps, yc, ldy, oc, ldo, load_o, band, queries);
-                else rows_chunk<1>(rows, p0, pb, ab, rs, ps, yc, ldy, oc, ldo, load_o, band, queries);
+                if (vc == 4) rows_chunk<4>(rows, p0, pb, ab, rs, ps, yc, ldy, oc, ldo, load_o, band, queries, stream_o);
+                else if (vc == 3) rows_chunk<3>(rows, p0, pb, ab, rs, ps, yc, ldy, oc, ldo, load_o, band, queries, stream_o);
+                else if (vc == 2) rows_chunk<2>(rows, p0, pb, ab, rs, ps, yc, ldy, oc, ldo, load_o, band, queries, stream_o);
+                else rows_chunk<1>(rows, p0, pb, ab, rs, ps, yc, ldy, oc, ldo, load_o, band, queries, stream_o);
             }
+            if (stream_o) simd::stream_fence();
             p0 += block;
         } while (p0 < depth);
     }

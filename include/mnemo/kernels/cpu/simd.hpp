@@ -50,6 +50,37 @@ inline void store(T* p, const batch<T>& b) { b.store_unaligned(p); }
 template <class T>
 inline batch<T> splat(T v) { return batch<T>(v); }
 
+/// Whether stream_store writes around the caches for T (float on x86 with AVX or AVX-512).
+template <class T>
+inline constexpr bool streams =
+#if defined(__AVX__) && (defined(__x86_64__) || defined(__i386__))
+    std::is_same_v<T, float> && (width<T> == 8 || width<T> == 16);
+#else
+    false;
+#endif
+/// b to p with a non-temporal store where streams<T> (p aligned to the batch's size): the line goes
+/// to memory without first being read into the caches. Elsewhere an ordinary store. Call
+/// stream_fence() before another thread reads what was stored.
+template <class T>
+inline void stream_store(T* p, const batch<T>& b) {
+#if defined(__AVX__) && (defined(__x86_64__) || defined(__i386__))
+    if constexpr (streams<T>) {
+#if defined(__AVX512F__)
+        if constexpr (width<T> == 16) return _mm512_stream_ps(p, b);
+#endif
+        if constexpr (width<T> == 8) return _mm256_stream_ps(p, b);
+    }
+#endif
+    b.store_unaligned(p);
+}
+/// Orders this thread's stream_store stores before what follows (non-temporal stores are not
+/// ordered by x86's usual rules).
+inline void stream_fence() {
+#if defined(__AVX__) && (defined(__x86_64__) || defined(__i386__))
+    _mm_sfence();
+#endif
+}
+
 /// x·y + z (fma) and x·y − z (fms) with one rounding, for a batch of any x86 instruction set. xsimd
 /// 8.1 has fused kernels for fma3<sse4_2> and fma3<avx> only: on AVX-512 (and for an explicit avx2
 /// arch) it computes x·y + z with two roundings, which g++ contracts into one FMA only from -O2 (a
