@@ -131,32 +131,20 @@ struct elementwise {
     /// working set. Call copy_fence() before another thread reads y. A copy: the bits are x's
     /// either way.
     template <class T>
-    static void copy_block(index_t n, const T* x, T* y, [[maybe_unused]] bool stream) {
+    static void copy_block(index_t n, const T* x, T* y, bool stream) {
         index_t j = 0;
-#if defined(__AVX__) && (defined(__x86_64__) || defined(__i386__))
-        if constexpr (std::is_same_v<T, float>) {
+        if constexpr (simd::streams<T>) {
             if (stream) {
+                constexpr index_t W = simd::width<T>;
                 for (; j < n && reinterpret_cast<std::uintptr_t>(y + j) % 64 != 0; ++j) y[j] = x[j];
-#ifdef __AVX512F__
-                for (; j + 16 <= n; j += 16) _mm512_stream_ps(y + j, _mm512_loadu_ps(x + j));
-#else
-                for (; j + 16 <= n; j += 16) {
-                    _mm256_stream_ps(y + j, _mm256_loadu_ps(x + j));
-                    _mm256_stream_ps(y + j + 8, _mm256_loadu_ps(x + j + 8));
-                }
-#endif
+                for (; j + W <= n; j += W) simd::stream_store(y + j, simd::load(x + j));
             }
         }
-#endif
         if (j < n) std::memcpy(y + j, x + j, sizeof(T) * std::size_t(n - j));
     }
     /// Orders this thread's copy_block stores before what follows (non-temporal stores are not
     /// ordered by x86's usual rules).
-    static void copy_fence() {
-#if defined(__AVX__) && (defined(__x86_64__) || defined(__i386__))
-        _mm_sfence();
-#endif
-    }
+    static void copy_fence() { simd::stream_fence(); }
 
     /// y[i, :] = s · x[i, :]   (in place when y == x)
     template <class T>
