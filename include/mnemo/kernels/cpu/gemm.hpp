@@ -342,16 +342,16 @@ struct gemm {
     }
 
     /// One-thread products whose operands are better read in place than packed (gemm_direct.hpp:
-    /// float on AVX-512 and AVX2 + FMA builds; Eigen otherwise): C = beta·C + A·B (nn) or A·Bᵀ (nt),
-    /// alpha 1. For a caller that knows its shapes, such as the absorbed memory attention's
+    /// float on AVX-512 and AVX2 + FMA builds; Eigen otherwise): C = beta·C + A·B (nn), A·Bᵀ (nt) or
+    /// Aᵀ·B (tn), alpha 1. For a caller that knows its shapes, such as the absorbed memory attention's
     /// per-batch-element products over strided rows (there, AVX-512 on Zen 5: 1.3× (nn) and 1.7× (nt)
     /// Eigen's speed; AVX2 on Zen 2, configuration A's 32×136×128 over rows 4096 floats apart: 1.14×
-    /// and 1.85×).
+    /// and 1.85×) and its per-head products with the weights (relative_attention_pass::head_direct).
     /// Measured and not kept: sending every float product with A and B under 64K floats here (rows
     /// split over threads). Alone, with hot operands, those ran 1.1-1.5× Eigen and up to 1.15× the
     /// packed kernel (configuration A's 128-256-sided linears); inside A's training step, where the
     /// operands come from L3, 10-30% slower than packed, and the step no faster (17.4 → 17.6 ms).
-    /// Both split C's columns (for nt: B's rows) over the threads in blocks of 64 from
+    /// All three split C's columns (for nt: B's rows) over the threads in blocks of 64 from
     /// direct_split_min multiply-adds, when the caller is not in a parallel region (the absorbed
     /// route's per-batch-element loop is one, from batch 2 on). Only on the direct kernel, whose
     /// elements each sum over k in one chain wherever their tile falls: a split keeps the bits.
@@ -377,6 +377,17 @@ struct gemm {
                 return gemm_direct::gemm_nt(m, j1 - j0, k, a, lda, b + j0 * ldb, ldb, c + j0, ldc, beta);
 #endif
             gemm_nt_eigen(m, j1 - j0, k, a, lda, b + j0 * ldb, ldb, c + j0, ldc, beta, T(1));
+        });
+    }
+    template <class T>
+    static void gemm_tn_direct(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
+                               index_t ldc, T beta = T(0)) {
+        direct_columns<T>(m, n, k, [&](index_t j0, index_t j1) {
+#ifdef MNEMO_PACKED_GEMM
+            if constexpr (std::is_same_v<T, float>)
+                return gemm_direct::gemm_tn(m, j1 - j0, k, a, lda, b + j0, ldb, c + j0, ldc, beta);
+#endif
+            gemm_tn_eigen(m, j1 - j0, k, a, lda, b + j0, ldb, c + j0, ldc, beta, T(1));
         });
     }
 

@@ -17,10 +17,16 @@
 //   ahead: the first row tile's reads of a block from L3 otherwise wait on each line). Rows are
 //   cut into tiles of equal height, give or take a row (AVX-512, 32 → 11, 11, 10, not 14 + 14 + 4;
 //   AVX2, 32 → 6, 6, 5, 5, 5, 5, not 6 · 5 + 2: a 2-row tile's 4 FMA chains run at half the rate).
+// gemm_tn: C[M,N] = beta·C + A[K,M]ᵀ·B[K,N] on the same kernel, the MR floats of A's column k of Aᵀ
+//   read from A's row k (contiguous) instead of down a column.
 // gemm_nt: C[M,N] = beta·C + A[M,K]·B[N,K]ᵀ, as Cᵀ = B·Aᵀ on the kernel above: 2·lanes rows of A at a
 //   time are transposed (lanes × lanes in registers) into a [K, 2·lanes] block, the rows of B are the
 //   kernel's broadcast side (each read once), and the [N, 2·lanes] result is transposed into C. The
-//   two transposes move 2·lanes·(K + N) floats against 2·lanes·N·K multiply-adds.
+//   two transposes move 2·lanes·(K + N) floats against 2·lanes·N·K multiply-adds. Where B is the
+//   smaller side (N·K < M·(K + N): the absorbed attention's per-head U_h·W_v,hᵀ, [Q·B, D]·[d_k, D]ᵀ),
+//   B is transposed once instead, into [K, N], and gemm_nn runs over it: the same sums in the same
+//   order (bitwise the same C). Configuration A's 256×32×128, one thread, operands hot (Granite
+//   Rapids VM): 16.8 µs through Aᵀ's blocks, 14.4 µs through Bᵀ with a scalar transpose.
 // Every element of C sums over k in order 0, 1, …, K − 1 with one FMA chain: results do not depend on
 // where tiles fall (they do on the instruction set: the AVX-512 and AVX2 kernels are each exact to
 // their own order, the same one, but a build's widest ISA decides which runs). Scratch is per
@@ -40,8 +46,9 @@ struct gemm_direct_t {
     static constexpr index_t mr_max = Isa::mr;
     static constexpr index_t nr = 2 * lanes;
 
-    /// The tile: C[0:MR, 0:cols] (cols ≤ 2·lanes) = beta·C + A[0:MR, 0:k]·B[0:k, 0:cols].
-    template <int MR, bool Two>
+    /// The tile: C[0:MR, 0:cols] (cols ≤ 2·lanes) = beta·C + A[0:MR, 0:k]·B[0:k, 0:cols], or with
+    /// TransA, A[0:k, 0:MR]ᵀ·B[0:k, 0:cols].
+    template <int MR, bool Two, bool TransA = false>
     [[gnu::noinline]] static void tile(index_t k, const float* a, index_t lda, const float* b, index_t ldb, float* c,
                                        index_t ldc, index_t cols, float beta) {
         batch acc[MR][2];
@@ -60,7 +67,7 @@ struct gemm_direct_t {
             if constexpr (Two) b1 = Isa::load_partial(bp + lanes, c1);
 #pragma GCC unroll 16
             for (int i = 0; i < MR; ++i) {
-                const batch ai(a[i * lda + p]);
+                const batch ai(TransA ? a[p * lda + i] : a[i * lda + p]);
                 acc[i][0] = simd::fma(ai, b0, acc[i][0]);
                 if constexpr (Two) acc[i][1] = simd::fma(ai, b1, acc[i][1]);
             }
@@ -78,18 +85,20 @@ struct gemm_direct_t {
         }
     }
 
-    /// tile<rows, Two> for a runtime 1 ≤ rows ≤ mr_max.
-    template <bool Two, int R = int(mr_max)>
+    /// tile<rows, Two, TransA> for a runtime 1 ≤ rows ≤ mr_max.
+    template <bool Two, bool TransA, int R = int(mr_max)>
     static void tile_rows(index_t rows, index_t k, const float* a, index_t lda, const float* b, index_t ldb, float* c,
                           index_t ldc, index_t cols, float beta) {
         if constexpr (R > 1)
-            if (rows < R) return tile_rows<Two, R - 1>(rows, k, a, lda, b, ldb, c, ldc, cols, beta);
-        tile<R, Two>(k, a, lda, b, ldb, c, ldc, cols, beta);
+            if (rows < R) return tile_rows<Two, TransA, R - 1>(rows, k, a, lda, b, ldb, c, ldc, cols, beta);
+        tile<R, Two, TransA>(k, a, lda, b, ldb, c, ldc, cols, beta);
     }
 
-    /// C[M,N] = beta·C + A[M,K]·B[K,N] (row-major, row strides lda, ldb, ldc). beta = 0 never reads C.
-    static void gemm_nn(index_t m, index_t n, index_t k, const float* a, index_t lda, const float* b, index_t ldb,
-                        float* c, index_t ldc, float beta = 0.0f) {
+    /// gemm_nn (TransA false) or gemm_tn (true): column blocks of two vectors outside, row tiles of
+    /// equal height inside.
+    template <bool TransA>
+    static void product(index_t m, index_t n, index_t k, const float* a, index_t lda, const float* b, index_t ldb,
+                        float* c, index_t ldc, float beta) {
         if (m <= 0 || n <= 0) return;
         // The first m % tiles tiles take one row more than the others.
         const index_t tiles = (m + mr_max - 1) / mr_max, height = m / tiles, taller = m % tiles;
@@ -97,11 +106,23 @@ struct gemm_direct_t {
             const index_t cols = std::min(nr, n - j);
             for (index_t t = 0, i = 0; t < tiles; ++t) {
                 const index_t rows = height + (t < taller ? 1 : 0);
-                if (cols > lanes) tile_rows<true>(rows, k, a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc, cols, beta);
-                else tile_rows<false>(rows, k, a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc, cols, beta);
+                const float* ai = TransA ? a + i : a + i * lda;  // the tile's rows of C: A's rows, or Aᵀ's
+                if (cols > lanes) tile_rows<true, TransA>(rows, k, ai, lda, b + j, ldb, c + i * ldc + j, ldc, cols, beta);
+                else tile_rows<false, TransA>(rows, k, ai, lda, b + j, ldb, c + i * ldc + j, ldc, cols, beta);
                 i += rows;
             }
         }
+    }
+
+    /// C[M,N] = beta·C + A[M,K]·B[K,N] (row-major, row strides lda, ldb, ldc). beta = 0 never reads C.
+    static void gemm_nn(index_t m, index_t n, index_t k, const float* a, index_t lda, const float* b, index_t ldb,
+                        float* c, index_t ldc, float beta = 0.0f) {
+        product<false>(m, n, k, a, lda, b, ldb, c, ldc, beta);
+    }
+    /// C[M,N] = beta·C + A[K,M]ᵀ·B[K,N] (row-major, row strides lda, ldb, ldc). beta = 0 never reads C.
+    static void gemm_tn(index_t m, index_t n, index_t k, const float* a, index_t lda, const float* b, index_t ldb,
+                        float* c, index_t ldc, float beta = 0.0f) {
+        product<true>(m, n, k, a, lda, b, ldb, c, ldc, beta);
     }
 
     /// C[M,N] = beta·C + A[M,K]·B[N,K]ᵀ (row-major, row strides lda, ldb, ldc). beta = 0 never reads C.
@@ -109,6 +130,18 @@ struct gemm_direct_t {
                         float* c, index_t ldc, float beta = 0.0f) {
         if (m <= 0 || n <= 0) return;
         const index_t kp = (k + lanes - 1) / lanes * lanes, np = (n + lanes - 1) / lanes * lanes;
+        if (n * k < m * (k + n)) {  // Bᵀ [K, np] once (columns past N zero, never read), then gemm_nn
+            float* bt = gemm_packed_t<Isa>::thread_buffer(0, k * np);
+            for (index_t j0 = 0; j0 < n; j0 += lanes)
+                for (index_t p0 = 0; p0 < k; p0 += lanes) {
+                    reg x[lanes];
+                    for (index_t j = 0; j < lanes; ++j)
+                        x[j] = j0 + j < n ? Isa::load_partial(b + (j0 + j) * ldb + p0, k - p0) : Isa::zero();
+                    Isa::transpose(x);
+                    for (index_t p = 0; p < std::min(lanes, k - p0); ++p) Isa::storeu(bt + (p0 + p) * np + j0, x[p]);
+                }
+            return product<false>(m, n, k, a, lda, bt, np, c, ldc, beta);
+        }
         float* at = gemm_packed_t<Isa>::thread_buffer(0, kp * nr + np * nr);  // Aᵀ block [K, nr], then Cᵀ [N, nr]
         float* ct = at + kp * nr;
         for (index_t r0 = 0; r0 < m; r0 += nr) {

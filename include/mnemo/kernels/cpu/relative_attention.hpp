@@ -436,7 +436,7 @@ private:
         const index_t ldhb = zhat_stride(hat_);
         T* blocks = hat ? s.thread_blocks : nullptr;
         for_each_head(qb * D * Dk, [&](index_t h) {
-            K::gemm_nn(qb, D, Dk, qu + h * Dk, D, wk + h * Dk * D, D, qt + h * qb * D, D);
+            head_nn(qb, D, Dk, qu + h * Dk, D, wk + h * Dk * D, D, qt + h * qb * D, D, T(0));
         });
         // The batch elements in fixed halves (parallel_range), the same thread for an element in every
         // layer and in the backward, which finds its scores in that core's caches. Dealt one at a time
@@ -449,6 +449,12 @@ private:
             T* qg = hat ? blocks + thread_slot(b0, b1) * hq * (D + 1) : nullptr;  // q̃∘γ [H·Q, D], then q̃·β [H·Q]
             for (index_t b = b0; b < b1; ++b) {
                 T* ab = attn + b * hq * k_len_;
+                // U's rows (b's [H·Q, D], rows B·D floats apart), written at the end of this element
+                // from lines that are in no cache: asked for now, for writing, they arrive during
+                // the products. A's training step about 1% faster (a scratch program alternating
+                // with and without step by step, Granite Rapids VM, medians of 200 steps, 2 of 2 runs).
+                if (hat)
+                    for (index_t r = 0; r < hq; ++r) simd::prefetch_lines_for_write(ut + b * D + r * ldb, D);
                 if (!hat) {
                     K::gemm_nt_direct(hq, mem, D, qt + b * D, ldb, z + b * ldz, ldzb, ab, k_len_);  // memory scores
                 } else {  // q̃·z_j = (q̃∘γ)·ẑ_j + q̃·β
@@ -477,7 +483,7 @@ private:
             }
         });
         for_each_head(qb * D * Dk, [&](index_t h) {
-            K::gemm_nt(qb, Dk, D, ut + h * qb * D, D, wv + h * Dk * D, D, ctx + h * Dk, D, T(1));
+            head_nt(qb, Dk, D, ut + h * qb * D, D, wv + h * Dk * D, D, ctx + h * Dk, D, T(1));
         });
         for (index_t i = 0; i < q_len_; ++i)
             for (index_t b = 0; b < batch_; ++b)
@@ -511,8 +517,8 @@ private:
         const index_t ldhb = zhat_stride(frozen);
         T* norm_partial = s.norm_partial;  // [B, 2D]: Σ dz∘ẑ, Σ dz
         for_each_head(2 * qb * D * Dk, [&](index_t h) {
-            K::gemm_nn(qb, D, Dk, d_ctx + h * Dk, D, wv + h * Dk * D, D, dut + h * qb * D, D);       // dU_h
-            K::gemm_tn(Dk, D, qb, d_ctx + h * Dk, D, ut + h * qb * D, D, gv + h * Dk * D, D, T(1));  // dW_v,h
+            head_nn(qb, D, Dk, d_ctx + h * Dk, D, wv + h * Dk * D, D, dut + h * qb * D, D, T(0));    // dU_h
+            head_tn(Dk, D, qb, d_ctx + h * Dk, D, ut + h * qb * D, D, gv + h * Dk * D, D, T(1));     // dW_v,h
         });
         // db_v += Σ_i (Σ_{j<M} a[i, j])·d context_i; every memory column's d a[i, j] gets d context_i · b_v,h.
         for (index_t i = 0; i < q_len_; ++i)
@@ -571,9 +577,38 @@ private:
             }
         }
         for_each_head(2 * qb * D * Dk, [&](index_t h) {
-            K::gemm_nt(qb, Dk, D, dqt + h * qb * D, D, wk + h * Dk * D, D, dqu + h * Dk, D, T(1));   // d(q+u)_h
-            K::gemm_tn(Dk, D, qb, qu + h * Dk, D, dqt + h * qb * D, D, gk + h * Dk * D, D, T(1));    // dW_k,h
+            head_nt(qb, Dk, D, dqt + h * qb * D, D, wk + h * Dk * D, D, dqu + h * Dk, D, T(1));      // d(q+u)_h
+            head_tn(Dk, D, qb, qu + h * Dk, D, dqt + h * qb * D, D, gk + h * Dk * D, D, T(1));       // dW_k,h
         });
+    }
+
+    // The absorbed route's per-head products with the weights (q̃_h, U_h·W_v,hᵀ and their gradients),
+    // one head's on one thread (for_each_head): read in place (gemm_*_direct) below
+    // gemm::parallel_min_work multiply-adds, where Eigen's path, which they took before, packed
+    // both operands and zeroed C for beta 0 first; larger ones (a forced absorbed route over long
+    // segments) take the general dispatch, whose packed panels are re-read where the direct tiles
+    // would re-read A once per 32 columns. Configuration A's 256×128×32, 256×32×128 and
+    // 32×128×256 (one thread, operands hot, Granite Rapids VM): Eigen 21.6, 18.0 and 19.5 µs,
+    // direct 15.6, 14.4 (gemm_direct's nt through Bᵀ) and 14.9. Tried alone in earlier sessions
+    // (nn and nt only) they moved A's step within the noise of interleaved runs; with the two
+    // prefetches below, A's step 2.5-3.3% faster (docs/performance.md, History, 2026-12-06).
+    static bool head_direct(index_t m, index_t n, index_t k) {
+        return double(m) * double(n) * double(k) < gemm::parallel_min_work;
+    }
+    static void head_nn(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
+                        index_t ldc, T beta) {
+        if (head_direct(m, n, k)) K::gemm_nn_direct(m, n, k, a, lda, b, ldb, c, ldc, beta);
+        else K::gemm_nn(m, n, k, a, lda, b, ldb, c, ldc, beta);
+    }
+    static void head_nt(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
+                        index_t ldc, T beta) {
+        if (head_direct(m, n, k)) K::gemm_nt_direct(m, n, k, a, lda, b, ldb, c, ldc, beta);
+        else K::gemm_nt(m, n, k, a, lda, b, ldb, c, ldc, beta);
+    }
+    static void head_tn(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
+                        index_t ldc, T beta) {
+        if (head_direct(m, n, k)) K::gemm_tn_direct(m, n, k, a, lda, b, ldb, c, ldc, beta);
+        else K::gemm_tn(m, n, k, a, lda, b, ldb, c, ldc, beta);
     }
 
     /// out = row∘γ; returns row·β.
@@ -612,6 +647,13 @@ private:
             const T mass = rs[b * hq + r];
             const index_t o = b * D + r * ldb;
             const T *q = qt + o, *du = dut + o, *u = uh + o, *g = f.gamma, *be = f.beta;
+            // The rows two on (B·D floats apart, written long before: L3), which the hardware
+            // prefetchers do not follow. A's step about 1% faster (measured as the forward's U rows).
+            if (r + 2 < hq) {
+                simd::prefetch_lines(q + 2 * ldb, D);
+                simd::prefetch_lines(du + 2 * ldb, D);
+                simd::prefetch_lines(u + 2 * ldb, D);
+            }
             T* p = dqt + o;
 #pragma omp simd
             for (index_t i = 0; i < D; ++i) {
