@@ -391,7 +391,7 @@ struct gemm {
         });
     }
 
-    /// Multiply-adds from which gemm_{nn,nt}_direct split C's columns over the threads. The
+    /// Multiply-adds from which gemm_{nn,nt,tn}_direct split C's columns over the threads. The
     /// absorbed route's products at one query position and batch 1 (a recomputing generated token:
     /// q̃·ẑᵀ and [H, M]·ẑ over the memory's rows) ran on one thread while the other waited. Zen 5
     /// VM, 2 threads, ten interleaved pairs (2026-12-02): C's (2.1M each) split, token 4.33 → 4.04

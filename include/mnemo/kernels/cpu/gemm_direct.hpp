@@ -26,7 +26,7 @@
 //   smaller side (N·K < M·(K + N): the absorbed attention's per-head U_h·W_v,hᵀ, [Q·B, D]·[d_k, D]ᵀ),
 //   B is transposed once instead, into [K, N], and gemm_nn runs over it: the same sums in the same
 //   order (bitwise the same C). Configuration A's 256×32×128, one thread, operands hot (Granite
-//   Rapids VM): 16.8 µs through Aᵀ's blocks, 14.4 µs through Bᵀ with a scalar transpose.
+//   Rapids VM): 16.8 µs through Aᵀ's blocks, 14.4 µs through Bᵀ (B transposed by a scalar loop).
 // Every element of C sums over k in order 0, 1, …, K − 1 with one FMA chain: results do not depend on
 // where tiles fall (they do on the instruction set: the AVX-512 and AVX2 kernels are each exact to
 // their own order, the same one, but a build's widest ISA decides which runs). Scratch is per
