@@ -75,7 +75,8 @@ struct relative_attention_state {
     T* ctx = nullptr;   // [Q·B, D] context
     // Absorbed route, [H·Q, B, D] each: the queries with W_k folded in, q̃ = (q+u)_h·W_k,h (scores are
     // q̃·z); the attention-weighted memory inputs U = A_mem·z (the context is U·W_v,hᵀ + …); with
-    // the norm rows, Û = A_mem·ẑ.
+    // the norm rows (hat), Û = A_mem·ẑ instead of U (mem_mix null: the CPU backend takes U = Û∘γ +
+    // (Σ a)⊗β into the weights' side of the products that read it).
     T *q_absorbed = nullptr, *mem_mix = nullptr, *mem_mix_hat = nullptr;
     T* row_mass = nullptr;                              // absorbed: Σ_{j<M} a [B, H, Q]
     T* thread_blocks = nullptr;  // hat: parallel_slots(B) blocks of H·Q·(D + 1)

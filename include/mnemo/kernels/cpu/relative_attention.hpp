@@ -449,12 +449,6 @@ private:
             T* qg = hat ? blocks + thread_slot(b0, b1) * hq * (D + 1) : nullptr;  // q̃∘γ [H·Q, D], then q̃·β [H·Q]
             for (index_t b = b0; b < b1; ++b) {
                 T* ab = attn + b * hq * k_len_;
-                // U's rows (b's [H·Q, D], rows B·D floats apart), written at the end of this element
-                // from lines that are in no cache: asked for now, for writing, they arrive during
-                // the products. A's training step about 1% faster (a scratch program alternating
-                // with and without step by step, Granite Rapids VM, medians of 200 steps, 2 of 2 runs).
-                if (hat)
-                    for (index_t r = 0; r < hq; ++r) simd::prefetch_lines_for_write(ut + b * D + r * ldb, D);
                 if (!hat) {
                     K::gemm_nt_direct(hq, mem, D, qt + b * D, ldb, z + b * ldz, ldzb, ab, k_len_);  // memory scores
                 } else {  // q̃·z_j = (q̃∘γ)·ẑ_j + q̃·β
@@ -474,24 +468,46 @@ private:
 #pragma omp simd reduction(+ : sum)
                     for (index_t j = 0; j < mem; ++j) sum += ar[j];
                     rs[b * hq + r] = sum;
-                    if (!hat) continue;
-                    const T *g = hat_.gamma, *be = hat_.beta, *ur = uh + b * D + r * ldb;
-                    T* u = ut + b * D + r * ldb;
-#pragma omp simd
-                    for (index_t i = 0; i < D; ++i) u[i] = ur[i] * g[i] + sum * be[i];  // U = Û∘γ + (Σ a)⊗β
                 }
             }
         });
+        // With ẑ, U = Û∘γ + (Σ a)⊗β is never formed: U_h·W_v,hᵀ = Û_h·(W_v,h∘γ)ᵀ + (Σ a)⊗(W_v,h·β), the
+        // scaled rows of W_v,h in the thread's score block, and W_v·β folded into the bias below.
+        // (Forming U wrote [H·Q·B, D] rows B·D floats apart, each line first read from L3, to be
+        // read once by this product and once by backward's dW_v.)
         for_each_head(qb * D * Dk, [&](index_t h) {
-            head_nt(qb, Dk, D, ut + h * qb * D, D, wv + h * Dk * D, D, ctx + h * Dk, D, T(1));
+            const T* w = wv + h * Dk * D;
+            if (hat) {
+                T* wg = score_block(Dk * D);
+                for (index_t o = 0; o < Dk; ++o) scale_columns(w + o * D, hat_.gamma, wg + o * D);
+                w = wg;
+            }
+            head_nt(qb, Dk, D, hat ? uh + h * qb * D : ut + h * qb * D, D, w, D, ctx + h * Dk, D, T(1));
         });
+        const T* bias = bv;  // b_v, or with ẑ b_v + W_v·β
+        if (hat) {
+            T* bb = score_block(D);
+            for (index_t o = 0; o < D; ++o) {
+                const T* w = wv + o * D;
+                T dot = T(0);
+#pragma omp simd reduction(+ : dot)
+                for (index_t i = 0; i < D; ++i) dot += w[i] * hat_.beta[i];
+                bb[o] = bv[o] + dot;
+            }
+            bias = bb;
+        }
         for (index_t i = 0; i < q_len_; ++i)
             for (index_t b = 0; b < batch_; ++b)
                 for (index_t h = 0; h < H; ++h) {
                     T* c = ctx + (i * batch_ + b) * D + h * Dk;
                     const T m = rs[b * hq + h * q_len_ + i];
-                    for (index_t d = 0; d < Dk; ++d) c[d] += m * bv[h * Dk + d];
+                    for (index_t d = 0; d < Dk; ++d) c[d] += m * bias[h * Dk + d];
                 }
+    }
+    /// out[i] = w[i]·γ[i] over D.
+    void scale_columns(const T* w, const T* gamma, T* out) const {
+#pragma omp simd
+        for (index_t i = 0; i < D; ++i) out[i] = w[i] * gamma[i];
     }
 
     /// Backward of absorbed_forward: dW_k, dW_v, db_v and d(q+u) from the memory's share, head(b, h)
@@ -516,9 +532,32 @@ private:
         const T* uh = s.mem_mix_hat;
         const index_t ldhb = zhat_stride(frozen);
         T* norm_partial = s.norm_partial;  // [B, 2D]: Σ dz∘ẑ, Σ dz
+        const bool formed_u = s.hat.zhat == nullptr;  // forward formed U (without ẑ), else only Û
         for_each_head(2 * qb * D * Dk, [&](index_t h) {
             head_nn(qb, D, Dk, d_ctx + h * Dk, D, wv + h * Dk * D, D, dut + h * qb * D, D, T(0));    // dU_h
-            head_tn(Dk, D, qb, d_ctx + h * Dk, D, ut + h * qb * D, D, gv + h * Dk * D, D, T(1));     // dW_v,h
+            if (formed_u) {
+                head_tn(Dk, D, qb, d_ctx + h * Dk, D, ut + h * qb * D, D, gv + h * Dk * D, D, T(1));  // dW_v,h
+                return;
+            }
+            // dW_v,h += dctx_hᵀ·U_h = (dctx_hᵀ·Û_h)∘γ + (dctx_hᵀ·Σ a)⊗β
+            T* g = score_block(Dk * D + Dk);  // dctx_hᵀ·Û_h [d_k, D], then dctx_hᵀ·Σ a [d_k]
+            T* cm = g + Dk * D;
+            head_tn(Dk, D, qb, d_ctx + h * Dk, D, uh + h * qb * D, D, g, D, T(0));
+            for (index_t o = 0; o < Dk; ++o) cm[o] = T(0);
+            for (index_t i = 0; i < q_len_; ++i)
+                for (index_t b = 0; b < batch_; ++b) {
+                    const T* dc_row = d_ctx + (i * batch_ + b) * D + h * Dk;
+                    const T m = rs[b * hq + h * q_len_ + i];
+                    for (index_t o = 0; o < Dk; ++o) cm[o] += m * dc_row[o];
+                }
+            const T *ga = s.hat.gamma, *be = s.hat.beta;
+            for (index_t o = 0; o < Dk; ++o) {
+                T* gr = gv + (h * Dk + o) * D;
+                const T* go = g + o * D;
+                const T c = cm[o];
+#pragma omp simd
+                for (index_t i = 0; i < D; ++i) gr[i] += go[i] * ga[i] + c * be[i];
+            }
         });
         // db_v += Σ_i (Σ_{j<M} a[i, j])·d context_i; every memory column's d a[i, j] gets d context_i · b_v,h.
         for (index_t i = 0; i < q_len_; ++i)
@@ -590,8 +629,9 @@ private:
     // would re-read A once per 32 columns. Configuration A's 256×128×32, 256×32×128 and
     // 32×128×256 (one thread, operands hot, Granite Rapids VM): Eigen 21.6, 18.0 and 19.5 µs,
     // direct 15.6, 14.4 (gemm_direct's nt through Bᵀ) and 14.9. Tried alone in earlier sessions
-    // (nn and nt only) they moved A's step within the noise of interleaved runs; with the two
-    // prefetches below, A's step 2.5-3.3% faster (docs/performance.md, History, 2026-12-06).
+    // (nn and nt only) they moved A's step within the noise of interleaved runs; with two
+    // prefetches of the strided rows, A's step 2.5-3.3% faster (docs/performance.md, History,
+    // 2026-12-06).
     static bool head_direct(index_t m, index_t n, index_t k) {
         return double(m) * double(n) * double(k) < gemm::parallel_min_work;
     }
@@ -648,8 +688,8 @@ private:
             const index_t o = b * D + r * ldb;
             const T *q = qt + o, *du = dut + o, *u = uh + o, *g = f.gamma, *be = f.beta;
             // The rows two on (B·D floats apart, written long before: L3), which the hardware
-            // prefetchers do not follow. A's step about 1% faster (alternated step by step, as the
-            // forward's U rows, 2 of 2 runs).
+            // prefetchers do not follow. A's step about 1% faster (alternated step by step, 2 of 2
+            // runs).
             if (r + 2 < hq) {
                 simd::prefetch_lines(q + 2 * ldb, D);
                 simd::prefetch_lines(du + 2 * ldb, D);

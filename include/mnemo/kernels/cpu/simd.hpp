@@ -81,16 +81,11 @@ inline void stream_fence() {
 #endif
 }
 
-/// Asks for the cache lines of [p, p + n) into L1, for reading (prefetch_lines) or for writing
-/// (prefetch_lines_for_write: the line comes exclusive, so the stores that follow need not fetch it
-/// first). For rows whose lines the hardware prefetchers do not follow (short rows far apart).
+/// Asks for the cache lines of [p, p + n) into L1, for reading: for rows whose lines the hardware
+/// prefetchers do not follow (short rows far apart).
 template <class T>
 inline void prefetch_lines(const T* p, index_t n) {
     for (index_t i = 0; i < n; i += index_t(64 / sizeof(T))) __builtin_prefetch(p + i, 0, 3);
-}
-template <class T>
-inline void prefetch_lines_for_write(T* p, index_t n) {
-    for (index_t i = 0; i < n; i += index_t(64 / sizeof(T))) __builtin_prefetch(p + i, 1, 3);
 }
 
 /// x·y + z (fma) and x·y − z (fms) with one rounding, for a batch of any x86 instruction set. xsimd

@@ -263,7 +263,7 @@ public:
             st.bv = value_.bias().value();
             st.hat = hat_;
             st.q_absorbed = q_absorbed_.ensure(H * qb * D);
-            st.mem_mix = mem_mix_.ensure(H * qb * D);
+            st.mem_mix = hat_.zhat ? nullptr : mem_mix_.ensure(H * qb * D);  // with ẑ only Û is formed
             st.row_mass = row_mass_.ensure(batch_ * hq);
             if (hat_.zhat) {
                 st.mem_mix_hat = mem_mix_hat_.ensure(H * qb * D);
@@ -321,7 +321,7 @@ public:
             st.gbv = value_.bias().grad();
             st.hat = hat_;
             st.q_absorbed = q_absorbed_.data();
-            st.mem_mix = mem_mix_.data();
+            st.mem_mix = hat_.zhat ? nullptr : mem_mix_.data();
             st.mem_mix_hat = mem_mix_hat_.data();
             st.row_mass = row_mass_.data();
             st.d_mem_mix = d_mem_mix_.ensure(H * qb * D);
@@ -558,7 +558,7 @@ private:
     index_t kv_base_ = 0;  // kv_'s first position (reuse_kv slides it)
     // Scratch: positional scores / their gradient [H, Q·B, W]; backward's gradients.
     buffer<T, Backend> pos_, d_ctx_, dqu_, dq_, dkv_, d_scores_, col_sums_, frozen_g_, frozen_c_;
-    // Absorbed memory: saved q̃ (q_absorbed_), U (mem_mix_), Û (mem_mix_hat_, with hat_) [H·Q, B, D] and
+    // Absorbed memory: saved q̃ (q_absorbed_), U (mem_mix_, without hat_) or Û (mem_mix_hat_, with hat_) [H·Q, B, D] and
     // Σ_{j<M} a [B, H, Q]; backward's dU, d q̃, the memory rows' d z (one [M, D] block per thread), the
     // bias share of d a [B, H, Q], and the norm gradients' partial sums [B, 2D].
     buffer<T, Backend> q_absorbed_, mem_mix_, mem_mix_hat_, row_mass_, d_mem_mix_, d_q_absorbed_, dz_mem_, d_bias_score_,
