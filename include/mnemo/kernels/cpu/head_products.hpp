@@ -456,7 +456,7 @@ private:
         if constexpr (std::is_same_v<T, float> && isa::lanes == simd::width<T>) {
             constexpr index_t L = isa::lanes;
             for (index_t j = 0; j < ldyt; j += L) {
-                for (index_t t = 0; t < L; ++t) prefetch_row(y + (j + t + prefetch_ahead) * ldy, Dk);
+                for (index_t t = 0; t < L; ++t) simd::prefetch_lines(y + (j + t + prefetch_ahead) * ldy, Dk);
                 for (index_t d0 = 0; d0 < Dk; d0 += L) {
                     typename isa::reg x[L];
                     for (index_t t = 0; t < L; ++t)
@@ -469,7 +469,7 @@ private:
         }
 #endif
         for (index_t j = 0; j < cols; ++j) {
-            prefetch_row(y + (j + prefetch_ahead) * ldy, Dk);
+            simd::prefetch_lines(y + (j + prefetch_ahead) * ldy, Dk);
             for (index_t d = 0; d < Dk; ++d) pack[d * ldyt + j] = y[j * ldy + d];
         }
         for (index_t j = cols; j < ldyt; ++j)
@@ -530,7 +530,7 @@ private:
                 // program, 30 interleaved rounds, 3 runs): 5-8% faster (mean 17.7 → 19.4, 15.9 → 17.1,
                 // 21.9 → 23.2 GB/s); the same for the value rows in heads_weighted_rows gained
                 // nothing. Not measured on AVX-512.
-                for (index_t i = W; i < 2 * W; ++i) prefetch_row(yh + i * ldy, Dk);
+                for (index_t i = W; i < 2 * W; ++i) simd::prefetch_lines(yh + i * ldy, Dk);
                 alignas(64) T sums[W];
                 if constexpr (Dk_ > 0) {
                     constexpr index_t CV = Dk_ / W;
@@ -613,7 +613,7 @@ private:
         constexpr index_t W = simd::width<T>;
         const index_t row = Dk > 0 ? Dk : dk, V = row / W;
         for (index_t r = 0; r < rows; ++r) {
-            prefetch_row(p + (r + prefetch_ahead) * ld, row);
+            simd::prefetch_lines(p + (r + prefetch_ahead) * ld, row);
             for (index_t v = 0; v < V; ++v) simd::store(pack + r * row + v * W, simd::load(p + r * ld + v * W));
         }
         return pack;
@@ -624,10 +624,6 @@ private:
     // the row prefetch_ahead rows on (past the end: a prefetch never faults) overlaps the misses; the
     // pack of the keys was a third of the scores' time in configuration B's forward without it.
     static constexpr index_t prefetch_ahead = 8;
-    template <class T>
-    static void prefetch_row(const T* p, index_t n) {
-        for (index_t i = 0; i < n; i += index_t(64 / sizeof(T))) __builtin_prefetch(p + i);
-    }
 };
 
 /// The per-head products for the extents E: with d_head a compile-time width (E.d_head) for a static
