@@ -24,6 +24,7 @@
 #include <mnemo/mnemo.hpp>
 
 #include "model_shapes.hpp"
+#include "model_steps.hpp"
 #include "peak.hpp"
 
 namespace {
@@ -34,17 +35,12 @@ using mnemo::token_t;
 using mnemo_bench::A;
 using mnemo_bench::B;
 using mnemo_bench::C;
+using mnemo_bench::fill_memory;
 using mnemo_bench::shape;
+using mnemo_bench::tokens_for;
 
 template <class Cfg>
 using model_t = mnemo::compressive_transformer<float, Cfg>;
-
-std::vector<token_t> tokens_for(const shape& s, std::uint64_t seed) {
-    mnemo::rng r(seed);
-    std::vector<token_t> t(std::size_t(s.seq * s.batch));
-    for (auto& x : t) x = token_t(r.next_u32() % std::uint32_t(s.vocab));
-    return t;
-}
 
 template <class Cfg>
 double forward_flops(const shape& s, bool absorbed = false) {
@@ -114,17 +110,6 @@ void add_roofline_frac(benchmark::State& state, double bytes_per_iter, double fl
     state.counters["bytes_read"] = benchmark::Counter(bytes_per_iter, benchmark::Counter::kIsIterationInvariantRate);
     state.counters["roofline_frac"] = benchmark::Counter(seconds, benchmark::Counter::kIsIterationInvariantRate);
     state.counters["MB/token"] = bytes_per_iter / 1e6;
-}
-
-// Brings the memory to its steady state (full memory and compressed memory).
-template <class Model>
-void fill_memory(Model& m, typename Model::memory_type& mem, const shape& s) {
-    const index_t steps = (s.mem + s.c_mem * index_t(Model::config::compression_rate)) / s.seq + 2;
-    for (index_t i = 0; i < steps; ++i) {
-        auto t = tokens_for(s, 1000 + std::uint64_t(i));
-        m.forward(t, s.batch, mem);
-        m.update_memory(mem);
-    }
 }
 
 template <class Cfg>

@@ -46,6 +46,9 @@
 // body(t, nt) on each of `threads` threads (available_threads() or fewer): a held team's or an
 // OpenMP region's; t is the thread's omp_get_thread_num() in either. team_barrier() inside body
 // waits for the body's other threads.
+//
+// Compiled with -DMNEMO_PROFILE_REGIONS, the loops of a held team are timed site by site: where the
+// threads wait, and for how long (region_profile.hpp).
 #include <omp.h>
 
 #include <algorithm>
@@ -58,6 +61,16 @@
 #include <utility>
 
 #include "../../core/shape.hpp"
+
+#ifdef MNEMO_PROFILE_REGIONS
+#include "region_profile.hpp"
+// The calling line of parallel_range, parallel_invoke and parallel_team, as a defaulted last argument.
+#define MNEMO_REGION_SITE , std::source_location region_site_ = std::source_location::current()
+#define MNEMO_REGION_MARK region_profile::detail::site_mark region_mark_(region_site_)
+#else
+#define MNEMO_REGION_SITE
+#define MNEMO_REGION_MARK (void)0
+#endif
 
 namespace mnemo {
 
@@ -90,6 +103,9 @@ struct held_team {
     std::atomic<index_t> arrived{0};                   // threads at the current round's barrier
     alignas(64) index_t threads = 1;  // the region's threads, thread 0 included (thread 0's alone from here)
     bool in_job = false;  // thread 0 is running its share of a job (loops inside run on one thread)
+#ifdef MNEMO_PROFILE_REGIONS
+    region_profile::detail::loop_clock* loop_timing = nullptr;  // the job's clocks, while timing
+#endif
 
     /// Thread t (≥ 1) of the region: runs its share of every job until the hold ends.
     void serve(index_t t);
@@ -118,6 +134,9 @@ inline void held_team::serve(index_t t) {
             in_job_of = this;
             job_size = job_threads;
             job(context, t, job_threads);
+#ifdef MNEMO_PROFILE_REGIONS
+            if (loop_timing) loop_timing->other_done();
+#endif
             in_job_of = nullptr;
         }
         done.fetch_add(1, std::memory_order_acq_rel);
@@ -129,6 +148,11 @@ inline void held_team::run(index_t nt, F& body) {
     job = [](void* c, index_t t, index_t n) { (*static_cast<F*>(c))(t, n); };
     context = &body;
     job_threads = nt;
+#ifdef MNEMO_PROFILE_REGIONS
+    std::optional<region_profile::detail::loop_clock> timing;
+    if (region_profile::detail::current.on) timing.emplace();
+    loop_timing = timing ? &*timing : nullptr;
+#endif
     const std::uint64_t n = jobs.load(std::memory_order_relaxed) + 1;
     jobs.store(n, std::memory_order_release);
     in_job = true;
@@ -145,9 +169,19 @@ inline void held_team::run(index_t nt, F& body) {
         body(index_t(0), nt);
     } catch (...) {  // the other threads still read the body's context: wait for them first
         wait();
+#ifdef MNEMO_PROFILE_REGIONS
+        loop_timing = nullptr;
+#endif
         throw;
     }
+#ifdef MNEMO_PROFILE_REGIONS
+    const auto own_end = region_profile::clock::now();
     wait();
+    if (timing) timing->record(own_end, nt);
+    loop_timing = nullptr;
+#else
+    wait();
+#endif
 }
 
 inline void held_team::barrier(index_t nt) {
@@ -171,7 +205,8 @@ inline index_t available_threads() {
 
 /// body(t, nt) on `threads` threads (2 ≤ threads ≤ available_threads()), see the file's head.
 template <class F>
-inline void parallel_team(index_t threads, F&& body) {
+inline void parallel_team(index_t threads, F&& body MNEMO_REGION_SITE) {
+    MNEMO_REGION_MARK;
     if (detail::held_team* team = detail::holding) {
         team->run(std::min(threads, team->threads), body);
         return;
@@ -205,12 +240,18 @@ inline decltype(auto) hold_threads(F&& fn) {
         if (t == 0) {
             team.threads = omp_get_num_threads();
             detail::holding = &team;
+#ifdef MNEMO_PROFILE_REGIONS
+            region_profile::detail::hold_begin();
+#endif
             try {
                 if constexpr (std::is_void_v<R>) fn();
                 else result.emplace(fn());
             } catch (...) {
                 error = std::current_exception();
             }
+#ifdef MNEMO_PROFILE_REGIONS
+            region_profile::detail::hold_end();
+#endif
             detail::holding = nullptr;
             team.release();
         } else {
@@ -243,7 +284,8 @@ inline void run_share(index_t n, index_t t, index_t nt, F& body) {
 }  // namespace detail
 
 template <class F>
-inline void parallel_range(index_t n, bool worth_it, F&& body) {
+inline void parallel_range(index_t n, bool worth_it, F&& body MNEMO_REGION_SITE) {
+    MNEMO_REGION_MARK;
     if (n <= 0) return;
     const index_t threads = parallel_threads(n, worth_it);
     if (threads <= 1) {
@@ -282,7 +324,8 @@ inline void parallel_phases(bool worth_it, index_t n1, F&& first, index_t n2, G&
 }
 
 template <class F, class G>
-inline void parallel_invoke(bool worth_it, F&& f, G&& g) {
+inline void parallel_invoke(bool worth_it, F&& f, G&& g MNEMO_REGION_SITE) {
+    MNEMO_REGION_MARK;
     if (parallel_threads(2, worth_it) < 2) {
         f();
         g();
