@@ -104,7 +104,8 @@ struct held_team {
     alignas(64) index_t threads = 1;  // the region's threads, thread 0 included (thread 0's alone from here)
     bool in_job = false;  // thread 0 is running its share of a job (loops inside run on one thread)
 #ifdef MNEMO_PROFILE_REGIONS
-    region_profile::detail::loop_clock* loop_timing = nullptr;  // the job's clocks, while timing
+    // The job's clocks while timing, else null: set by run before each job, read only during one.
+    region_profile::detail::loop_clock* loop_timing = nullptr;
 #endif
 
     /// Thread t (≥ 1) of the region: runs its share of every job until the hold ends.
@@ -169,16 +170,12 @@ inline void held_team::run(index_t nt, F& body) {
         body(index_t(0), nt);
     } catch (...) {  // the other threads still read the body's context: wait for them first
         wait();
-#ifdef MNEMO_PROFILE_REGIONS
-        loop_timing = nullptr;
-#endif
         throw;
     }
 #ifdef MNEMO_PROFILE_REGIONS
     const auto own_end = region_profile::clock::now();
     wait();
     if (timing) timing->record(own_end, nt);
-    loop_timing = nullptr;
 #else
     wait();
 #endif
