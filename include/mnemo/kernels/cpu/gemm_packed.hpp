@@ -417,17 +417,14 @@ struct gemm_packed_t {
         for (index_t i = 0; i < MR; ++i)
 #pragma GCC unroll 2
             for (index_t v = 0; v < nv; ++v) acc[i][v] = batch(0.0f);
-        // C's lines for the update, asked for with intent to write while the k loop runs: both ends
-        // of each row's nr floats. Zen 5, steps alternated in one process: configuration B's training
-        // step 1.7-2.7% and C's 1.4-3.2% faster than without (A's 0.1-0.8%), and 0.5-2.8% faster
-        // than the same prefetch for reading (which is what g++ emits for a target without PRFCHW,
-        // such as -march=x86-64-v3).
+        // C's lines for the update, asked for with intent to write while the k loop runs. Zen 5,
+        // steps alternated in one process: configuration B's training step 1.7-2.7% and C's
+        // 1.4-3.2% faster than without (A's 0.1-0.8%), and 0.5-2.8% faster than the same prefetch
+        // for reading (which is what g++ emits for a target without PRFCHW, such as
+        // -march=x86-64-v3).
 #pragma GCC unroll 16
         for (index_t i = 0; i < MR; ++i)
-            if (i < rows) {
-                __builtin_prefetch(c + i * ldc, 1, 3);
-                __builtin_prefetch(c + i * ldc + nr - 1, 1, 3);
-            }
+            if (i < rows) simd::prefetch_for_write(c + i * ldc, cols);
         // One step over k: nv vectors of B, MR broadcasts of A, MR·nv FMAs.
         const auto step = [&](index_t p) [[gnu::always_inline]] {
             batch bv[nv];

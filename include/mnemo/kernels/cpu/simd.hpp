@@ -9,6 +9,7 @@
 // operation mnemo relies on against a scalar reference, on each instruction set the suite builds.
 #include <bit>
 #include <cmath>
+#include <cstdint>
 #include <type_traits>
 #include <utility>
 
@@ -86,6 +87,17 @@ inline void stream_fence() {
 template <class T>
 inline void prefetch_lines(const T* p, index_t n) {
     for (index_t i = 0; i < n; i += index_t(64 / sizeof(T))) __builtin_prefetch(p + i, 0, 3);
+}
+
+/// Asks for every cache line [p, p + n) touches (n ≥ 1) into L1, with intent to write (prefetchw
+/// where the target has PRFCHW, a read prefetch otherwise): a tile's rows of its output, asked for
+/// before its product loop so that its stores at the end find them.
+template <class T>
+inline void prefetch_for_write(const T* p, index_t n) {
+    const std::uintptr_t first = reinterpret_cast<std::uintptr_t>(p) & ~std::uintptr_t(63);
+    const std::uintptr_t last = reinterpret_cast<std::uintptr_t>(p + n - 1) & ~std::uintptr_t(63);
+    for (std::uintptr_t line = first; line <= last; line += 64)
+        __builtin_prefetch(reinterpret_cast<const void*>(line), 1, 3);
 }
 
 /// x·y + z (fma) and x·y − z (fms) with one rounding, for a batch of any x86 instruction set. xsimd
