@@ -2,11 +2,10 @@
 # Checks that the register-tiled product kernels keep their accumulators in registers: in an
 # optimised x86-64 binary, the FMAs inside gemm_packed_t's and gemm_direct_t's tiles and
 # head_products' kernels may read a spilled constant from the stack, never a tile's accumulators.
-# When g++ cannot give a tile's accumulators registers (a loop
-# over them left rolled indexes them with a variable), it keeps them all on the stack, and every
-# FMA of the product loop becomes a load, an FMA and a store: the results stay the same, the speed
-# halves, and no other test notices (head_nt_wide's scores went that way once, 5-10% of
-# configuration B's training step).
+# When g++ cannot give a tile's accumulators registers (a loop over them left rolled indexes them
+# with a variable), it keeps them all on the stack, and every FMA of the product loop becomes a
+# load, an FMA and a store: the results stay the same, the speed halves, and no other test notices
+# (head_nt_wide's scores went that way once, 5-10% of configuration B's training step).
 #   tools/check_tile_registers.sh [--objdump PATH] BINARY...
 # Exits 1 naming each function whose FMAs read more than two different stack slots, or when a
 # binary has no tile kernel at all (the check would pass without looking at anything).
@@ -33,7 +32,7 @@ for bin in "$@"; do
         function flush() { if (name != "" && fmas > 0) print slots, spilled, fmas, name }
         /^[0-9a-f]+ <.*>:$/ {
             flush()
-            name = ""; fmas = 0; spilled = 0; slots = 0; delete seen
+            name = ""; fmas = 0; spilled = 0; slots = 0; frame = 0; delete seen
             if ($0 ~ /gemm_packed_t<[^>]*>::tile<|gemm_direct_t<[^>]*>::tile<|cpu_kernels::head_products::/) {
                 name = $0
                 sub(/^[0-9a-f]+ </, "", name)
@@ -41,9 +40,12 @@ for bin in "$@"; do
             }
             next
         }
+        # %rbp addresses the stack only in a function that made it its frame pointer; elsewhere
+        # it may hold any pointer (a packed panel).
+        name != "" && /\tmov +%rsp,%rbp$/ { frame = 1 }
         name != "" && /\tv(fmadd|fmsub|fnmadd|fnmsub)[0-9]+[ps][sd]/ {
             fmas++
-            if (match($0, /-?(0x[0-9a-f]+)?\(%r[sb]p\)/)) {
+            if (match($0, /-?(0x[0-9a-f]+)?\(%rsp\)/) || (frame && match($0, /-?(0x[0-9a-f]+)?\(%rbp\)/))) {
                 spilled++
                 slot = substr($0, RSTART, RLENGTH)
                 if (!(slot in seen)) { seen[slot] = 1; slots++ }
