@@ -401,7 +401,7 @@ private:
             // Unrolled by force: a loop over r left rolled (its body has a loop of runtime length)
             // indexes c with a variable, and g++ 12 then keeps all 2·R accumulators on the stack,
             // in the d loop too: every FMA a load and a store (B's score products 2× slower, its
-            // training step 5-10%; tools/check_tile_registers.sh catches it).
+            // training step 4-12%; tools/check_tile_registers.sh catches it).
 #pragma GCC unroll 16
             for (index_t r = 0; r < R; ++r) {
                 simd::store(tmp, c[r][0]);
