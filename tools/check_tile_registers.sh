@@ -16,8 +16,8 @@ if [ $# -eq 0 ]; then
     echo "usage: tools/check_tile_registers.sh [--objdump PATH] BINARY..." >&2
     exit 2
 fi
-# Stack slots a kernel's FMAs may read: a spilled constant or two, never a tile's accumulators
-# (AVX2's smallest tile has 2 rows × 2 vectors).
+# Stack slots a kernel's FMAs may read: a spilled constant or two. A tile of one row (two
+# accumulators) could spill and pass; the tiles that carry the products hold 8 to 28.
 max_slots=2
 status=0
 for bin in "$@"; do
