@@ -496,8 +496,8 @@ public:
     // over threads leaves its bits alone.
 
     /// s[h·lds + r] = Σ_{d<Dk} x[h·Dk + d]·y[r·ldy + h·Dk + d], for rows r in [r0, r1) and heads h < heads.
-    /// Rows go W (the SIMD width) at a time: each head's W partial sums reduce together
-    /// (simd::transpose_add, the same tree for every lane, so a row's bits do not depend on r0).
+    /// The (row, head) pairs go W (the SIMD width) at a time: their W partial sums reduce together
+    /// (simd::transpose_add, the same tree for every lane, so a pair's bits do not depend on r0).
     template <index_t Dk, class T>
     static void heads_dot_rows(index_t heads, index_t r0, index_t r1, const T* x, const T* y, index_t ldy, T* s,
                                index_t lds) {
@@ -525,68 +525,137 @@ public:
     }
 
 private:
+    // heads_dot_rows reads y front to back: the (row, head) pairs in memory order, W (the SIMD width)
+    // at a time, a row's heads one after another and then the next row's, one stream when ldy =
+    // heads·d_k, the keys of a [keys | values] cache row otherwise. The older order, head by head over
+    // a block of W rows, made W short streams of d_k floats that the prefetchers followed poorly. A
+    // scratch program over configuration C's, B's and A's one-token scores and weighted values (24, 6
+    // and 6 layers of rows: from DRAM, L3 and L2), one thread, 2-core Zen 4 VM, medians of 21
+    // interleaved rounds: C 11.3 → 14.7 GB/s, B 61 → 74, A 65 → 80 (a plain sum of C's bytes 24.6).
+    // That needs the pattern of offsets at compile time: with the heads a runtime count, stepping
+    // (row, head) pair by pair made B and A 20% slower than the old order. So the heads counts that
+    // divide W, or that W divides, take loops of whole groups with the pattern unrolled; any other
+    // count, and the pairs left after the whole groups, step pair by pair. Every pair's sum is the
+    // same chain of FMAs and the same reduction tree on each route: the bits do not depend on it.
+    // The cached token in the models, one process alternating the two orders (medians of the
+    // per-round ratios, 12-16 rounds): C 0.90 of the old time on one thread, 0.96-0.98 on two; B
+    // 0.965, A 0.99 on two. Software prefetch a few rows ahead (2, 4 or 8) was slower on Zen 4, in
+    // this order and the old; on a Zen 3 VM (AVX2) the old order gained 5-8% from a prefetch of the
+    // next W rows, and this order is not measured there.
+
+    /// The scores of one group of W pairs: acc[i] = Σ_v x_i·y_i over the whole vectors of d_k, for
+    /// the pairs' x and y row starts given by at(i, xi, yi); their sums (transpose_add) into sums.
+    template <index_t Dk_, class T, class At>
+    static void group_sums(index_t V, At at, T* sums) {
+        using B = simd::batch<T>;
+        constexpr index_t W = simd::width<T>;
+        const index_t CV = Dk_ > 0 ? Dk_ / W : V;
+        B acc[W];
+        for (index_t i = 0; i < W; ++i) {
+            const T *xi, *yi;
+            at(i, xi, yi);
+            B a = simd::load(xi) * simd::load(yi);
+            for (index_t v = 1; v < CV; ++v) a = simd::fma(simd::load(xi + v * W), simd::load(yi + v * W), a);
+            acc[i] = a;
+        }
+        simd::transpose_add(acc).store_aligned(sums);
+    }
+
+    /// Whole groups of W / Hc rows of Hc heads (Hc divides W) from row r0 on; returns the rows done.
+    template <index_t Dk_, index_t Hc, class T>
+    static index_t dot_row_groups(index_t Dk, index_t r0, index_t r1, const T* x, const T* y, index_t ldy, T* s,
+                                  index_t lds) {
+        constexpr index_t W = simd::width<T>, R = W / Hc;
+        const index_t rows = (r1 - r0) / R * R;
+        alignas(64) T sums[W];
+        for (index_t r = r0; r < r0 + rows; r += R) {
+            const T* yr = y + r * ldy;
+            group_sums<Dk_>(Dk / W, [&](index_t i, const T*& xi, const T*& yi) {
+                xi = x + i % Hc * Dk;
+                yi = yr + i / Hc * ldy + i % Hc * Dk;
+            }, sums);
+            for (index_t i = 0; i < W; ++i) s[i % Hc * lds + r + i / Hc] = sums[i];
+        }
+        return rows;
+    }
+
+    /// dot_row_groups for the first of Hc, More... that equals heads and is below W; 0 rows if none.
+    template <index_t Dk_, index_t Hc, index_t... More, class T>
+    static index_t dot_row_groups_for(index_t heads, index_t Dk, index_t r0, index_t r1, const T* x, const T* y,
+                                      index_t ldy, T* s, index_t lds) {
+        if constexpr (Hc < simd::width<T>) {
+            if (heads == Hc) return dot_row_groups<Dk_, Hc>(Dk, r0, r1, x, y, ldy, s, lds);
+            if constexpr (sizeof...(More) > 0) return dot_row_groups_for<Dk_, More...>(heads, Dk, r0, r1, x, y, ldy, s, lds);
+        }
+        return 0;
+    }
+
     template <index_t Dk_, class T>
     static void heads_dot_rows_impl(index_t dk, index_t heads, index_t r0, index_t r1, const T* x, const T* y,
                                     index_t ldy, T* s, index_t lds) {
-        using B = simd::batch<T>;
         constexpr index_t W = simd::width<T>;
         const index_t Dk = Dk_ > 0 ? Dk_ : dk, V = Dk / W;
-        for (index_t r = r0; r < r1; r += W) {
-            const index_t n = std::min(W, r1 - r);
-            for (index_t h = 0; h < heads; ++h) {
-                const T* xh = x + h * Dk;
-                const T* yh = y + r * ldy + h * Dk;
-                // The same head's part of the next W rows: a generated token's rows come from DRAM,
-                // W streams of d_k floats (past the end a prefetch never faults). On the 2-core Zen 3
-                // VM (AVX2), C's one-token scores and context over 40 layers' cold rows (a scratch
-                // program, 30 interleaved rounds, 3 runs): 5-8% faster (mean 17.7 → 19.4, 15.9 → 17.1,
-                // 21.9 → 23.2 GB/s); the same for the value rows in heads_weighted_rows gained
-                // nothing. Not measured on AVX-512.
-                for (index_t i = W; i < 2 * W; ++i) simd::prefetch_lines(yh + i * ldy, Dk);
-                alignas(64) T sums[W];
-                if constexpr (Dk_ > 0) {
-                    constexpr index_t CV = Dk_ / W;
-                    if constexpr (CV > 0) {
-                        B xv[CV];
-                        for (index_t v = 0; v < CV; ++v) xv[v] = simd::load(xh + v * W);
-                        B acc[W];
-                        for (index_t i = 0; i < W; ++i) {
-                            if (i >= n) {
-                                acc[i] = simd::splat(T(0));
-                                continue;
-                            }
-                            const T* yi = yh + i * ldy;
-                            B a = xv[0] * simd::load(yi);
-                            for (index_t v = 1; v < CV; ++v) a = simd::fma(xv[v], simd::load(yi + v * W), a);
-                            acc[i] = a;
-                        }
-                        simd::transpose_add(acc).store_aligned(sums);
-                    } else {
-                        for (index_t i = 0; i < W; ++i) sums[i] = T(0);
-                    }
-                } else if (V > 0) {  // runtime d_k: x's vectors are loaded again for each row (the same values)
-                    B acc[W];
-                    for (index_t i = 0; i < W; ++i) {
-                        if (i >= n) {
-                            acc[i] = simd::splat(T(0));
-                            continue;
-                        }
-                        const T* yi = yh + i * ldy;
-                        B a = simd::load(xh) * simd::load(yi);
-                        for (index_t v = 1; v < V; ++v)
-                            a = simd::fma(simd::load(xh + v * W), simd::load(yi + v * W), a);
-                        acc[i] = a;
-                    }
-                    simd::transpose_add(acc).store_aligned(sums);
-                } else {
-                    for (index_t i = 0; i < W; ++i) sums[i] = T(0);
+        index_t done = 0;  // pairs
+        if (V > 0 && heads % W == 0) {  // W heads of one row a group
+            alignas(64) T sums[W];
+            for (index_t r = r0; r < r1; ++r)
+                for (index_t h0 = 0; h0 < heads; h0 += W) {
+                    const T* xh = x + h0 * Dk;
+                    const T* yh = y + r * ldy + h0 * Dk;
+                    group_sums<Dk_>(V, [&](index_t i, const T*& xi, const T*& yi) {
+                        xi = xh + i * Dk;
+                        yi = yh + i * Dk;
+                    }, sums);
+                    for (index_t i = 0; i < W; ++i) s[(h0 + i) * lds + r] = sums[i];
                 }
-                for (index_t i = 0; i < n; ++i) {
-                    T t = sums[i];
-                    for (index_t d = V * W; d < Dk; ++d) t += xh[d] * yh[i * ldy + d];
-                    s[h * lds + r + i] = t;
+            done = (r1 - r0) * heads;
+        } else if (V > 0) {
+            done = heads * dot_row_groups_for<Dk_, 1, 2, 4, 8>(heads, Dk, r0, r1, x, y, ldy, s, lds);
+        }
+        // The rest pair by pair, still W at a time (any heads count; the rows after whole groups).
+        using B = simd::batch<T>;
+        const index_t pairs = (r1 - r0) * heads;
+        for (index_t p0 = done; p0 < pairs; p0 += W) {
+            const index_t n = std::min(W, pairs - p0);
+            alignas(64) T sums[W];
+            if (V > 0) {
+                B acc[W];
+                index_t r = r0 + p0 / heads, h = p0 % heads;
+                for (index_t i = 0; i < W; ++i) {
+                    if (i >= n) {
+                        acc[i] = simd::splat(T(0));
+                        continue;
+                    }
+                    const T* xh = x + h * Dk;
+                    const T* yi = y + r * ldy + h * Dk;
+                    B a = simd::load(xh) * simd::load(yi);
+                    for (index_t v = 1; v < V; ++v) a = simd::fma(simd::load(xh + v * W), simd::load(yi + v * W), a);
+                    acc[i] = a;
+                    if (++h == heads) h = 0, ++r;
                 }
+                simd::transpose_add(acc).store_aligned(sums);
+            } else {
+                for (index_t i = 0; i < W; ++i) sums[i] = T(0);
             }
+            index_t r = r0 + p0 / heads, h = p0 % heads;
+            for (index_t i = 0; i < n; ++i) {
+                const T* xh = x + h * Dk;
+                const T* yi = y + r * ldy + h * Dk;
+                T t = sums[i];
+                for (index_t d = V * W; d < Dk; ++d) t += xh[d] * yi[d];
+                s[h * lds + r] = t;
+                if (++h == heads) h = 0, ++r;
+            }
+        }
+        if (V * W == Dk || done == 0) return;
+        // The whole groups' scalar tails (d_k not a whole number of vectors).
+        for (index_t p = 0; p < done; ++p) {
+            const index_t r = r0 + p / heads, h = p % heads;
+            const T* xh = x + h * Dk;
+            const T* yi = y + r * ldy + h * Dk;
+            T t = s[h * lds + r];
+            for (index_t d = V * W; d < Dk; ++d) t += xh[d] * yi[d];
+            s[h * lds + r] = t;
         }
     }
 

@@ -405,8 +405,9 @@ private:
     /// Rows of keys (and of the window) a block of one_query_forward's products covers. On the
     /// 2-core Zen 3 VM (AVX2), configuration C's token attention over 40 layers' cold rows (a
     /// scratch program, 30 interleaved rounds): 21.9 GB/s with the context split by heads, 25.1 by
-    /// blocks of 64 keys, 26.5 with heads_dot_rows' prefetch too; C's cached token in bench_models,
-    /// 10 interleaved rounds, median 4.65 → 4.43 ms (B's within its noise).
+    /// blocks of 64 keys, 26.5 with a prefetch in heads_dot_rows' older order (head by head over W
+    /// rows; it now reads the rows front to back); C's cached token in bench_models, 10 interleaved
+    /// rounds, median 4.65 → 4.43 ms (B's within its noise).
     static constexpr index_t one_query_block = 64;
 
     // Absorbed memory (z: the memory's rows): see nn/relative_attention.hpp. Locals qt, ut, uh, dut,
