@@ -219,9 +219,13 @@ struct packed_tuning<packed_isa_avx512> {
     // nc 4096 0.776 / 0.808, mc 126 0.765 / 0.802, mc 504 0.760 / 0.801, no column split 0.755 /
     // 0.800, kc 384 (mc 378) 0.748 / 0.791, kc 256 (mc 504) 0.728 / 0.763: kept.
     static constexpr packed_blocking zen5{"zen5", 512, 252, 2048, 1024};
-    // Zen 4 (32 KiB L1d, 1 MiB L2): Zen 5's values, not retuned; 0.85-0.88 of peak on the large GEMMs
-    // of B and C measured with them on a 2-core Zen 4 VM in an earlier session.
-    static constexpr packed_blocking zen4{"zen4 (zen5's values)", 512, 252, 2048, 1024};
+    // Zen 4 (32 KiB L1d, 1 MiB L2): Zen 5's values, measured on a 2-core Zen 4 VM (EPYC family 19h
+    // model 11h, peak 229-235 GFLOP/s on 2 threads) on 2026-12-07, BM_packed_blocking, medians of 5
+    // interleaved runs, two sweeps, 2 / 1 threads: this setting 0.849, 0.818 / 0.880, 0.861; mc 126
+    // 0.835, 0.814 / 0.843, 0.829; mc 504 0.834, 0.845 / 0.870, 0.842; nc 4096 0.842, 0.806 / 0.870,
+    // 0.894; no column split 0.833, 0.820 / 0.878, 0.862; kc 384 (mc 378) 0.831, 0.827 / 0.827,
+    // 0.856; kc 256 (mc 504) 0.768, 0.810 / 0.828, 0.833: no other setting ahead in both sweeps, kept.
+    static constexpr packed_blocking zen4{"zen4 (zen5's values, measured)", 512, 252, 2048, 1024};
     // Sapphire/Emerald Rapids (48 KiB L1d, 2 MiB L2): Zen 5's values, measured on a 2-core Emerald
     // Rapids VM (peak 175 / 345 GFLOP/s on 1 / 2 threads), the 51 products, medians of 4-5
     // interleaved runs: 1 thread mc 126 / 252 / 504 (kc 512) 143 / 148 / 146 GFLOP/s, kc 384 (mc
