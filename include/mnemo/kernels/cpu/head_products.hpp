@@ -543,15 +543,20 @@ private:
     // this order and the old; on a Zen 3 VM (AVX2) the old order gained 5-8% from a prefetch of the
     // next W rows, and this order is not measured there.
 
-    /// The scores of one group of W pairs: acc[i] = Σ_v x_i·y_i over the whole vectors of d_k, for
-    /// the pairs' x and y row starts given by at(i, xi, yi); their sums (transpose_add) into sums.
+    /// The scores of one group of n ≤ W pairs: acc[i] = Σ_v x_i·y_i over the whole vectors of d_k,
+    /// for the pairs' x and y row starts given by at(i, xi, yi), called for i = 0, ..., n − 1 in
+    /// order; their sums (transpose_add) into sums, zero past n.
     template <index_t Dk_, class T, class At>
-    static void group_sums(index_t V, At at, T* sums) {
+    static void group_sums(index_t V, index_t n, At at, T* sums) {
         using B = simd::batch<T>;
         constexpr index_t W = simd::width<T>;
         const index_t CV = Dk_ > 0 ? Dk_ / W : V;
         B acc[W];
         for (index_t i = 0; i < W; ++i) {
+            if (i >= n) {
+                acc[i] = simd::splat(T(0));
+                continue;
+            }
             const T *xi, *yi;
             at(i, xi, yi);
             B a = simd::load(xi) * simd::load(yi);
@@ -570,7 +575,7 @@ private:
         alignas(64) T sums[W];
         for (index_t r = r0; r < r0 + rows; r += R) {
             const T* yr = y + r * ldy;
-            group_sums<Dk_>(Dk / W, [&](index_t i, const T*& xi, const T*& yi) {
+            group_sums<Dk_>(Dk / W, W, [&](index_t i, const T*& xi, const T*& yi) {
                 xi = x + i % Hc * Dk;
                 yi = yr + i / Hc * ldy + i % Hc * Dk;
             }, sums);
@@ -602,7 +607,7 @@ private:
                 for (index_t h0 = 0; h0 < heads; h0 += W) {
                     const T* xh = x + h0 * Dk;
                     const T* yh = y + r * ldy + h0 * Dk;
-                    group_sums<Dk_>(V, [&](index_t i, const T*& xi, const T*& yi) {
+                    group_sums<Dk_>(V, W, [&](index_t i, const T*& xi, const T*& yi) {
                         xi = xh + i * Dk;
                         yi = yh + i * Dk;
                     }, sums);
@@ -613,49 +618,32 @@ private:
             done = heads * dot_row_groups_for<Dk_, 1, 2, 4, 8>(heads, Dk, r0, r1, x, y, ldy, s, lds);
         }
         // The rest pair by pair, still W at a time (any heads count; the rows after whole groups).
-        using B = simd::batch<T>;
         const index_t pairs = (r1 - r0) * heads;
         for (index_t p0 = done; p0 < pairs; p0 += W) {
             const index_t n = std::min(W, pairs - p0);
-            alignas(64) T sums[W];
-            if (V > 0) {
-                B acc[W];
-                index_t r = r0 + p0 / heads, h = p0 % heads;
-                for (index_t i = 0; i < W; ++i) {
-                    if (i >= n) {
-                        acc[i] = simd::splat(T(0));
-                        continue;
-                    }
-                    const T* xh = x + h * Dk;
-                    const T* yi = y + r * ldy + h * Dk;
-                    B a = simd::load(xh) * simd::load(yi);
-                    for (index_t v = 1; v < V; ++v) a = simd::fma(simd::load(xh + v * W), simd::load(yi + v * W), a);
-                    acc[i] = a;
-                    if (++h == heads) h = 0, ++r;
-                }
-                simd::transpose_add(acc).store_aligned(sums);
-            } else {
-                for (index_t i = 0; i < W; ++i) sums[i] = T(0);
-            }
+            alignas(64) T sums[W] = {};
             index_t r = r0 + p0 / heads, h = p0 % heads;
+            if (V > 0)
+                group_sums<Dk_>(V, n, [&](index_t, const T*& xi, const T*& yi) {
+                    xi = x + h * Dk;
+                    yi = y + r * ldy + h * Dk;
+                    if (++h == heads) h = 0, ++r;
+                }, sums);
+            r = r0 + p0 / heads, h = p0 % heads;
             for (index_t i = 0; i < n; ++i) {
-                const T* xh = x + h * Dk;
-                const T* yi = y + r * ldy + h * Dk;
-                T t = sums[i];
-                for (index_t d = V * W; d < Dk; ++d) t += xh[d] * yi[d];
-                s[h * lds + r] = t;
+                s[h * lds + r] = sums[i];
                 if (++h == heads) h = 0, ++r;
             }
         }
-        if (V * W == Dk || done == 0) return;
-        // The whole groups' scalar tails (d_k not a whole number of vectors).
-        for (index_t p = 0; p < done; ++p) {
-            const index_t r = r0 + p / heads, h = p % heads;
+        if (V * W == Dk) return;
+        // Every pair's scalar tail (d_k not a whole number of vectors), added to its sum.
+        for (index_t p = 0, r = r0, h = 0; p < pairs; ++p) {
             const T* xh = x + h * Dk;
             const T* yi = y + r * ldy + h * Dk;
             T t = s[h * lds + r];
             for (index_t d = V * W; d < Dk; ++d) t += xh[d] * yi[d];
             s[h * lds + r] = t;
+            if (++h == heads) h = 0, ++r;
         }
     }
 
