@@ -14,7 +14,8 @@
 //   B's row k (partial at C's right edge) and broadcasts MR floats of A's column k. Column blocks of
 //   two vectors outside, row tiles inside: a block of B comes from memory for the first row tile and
 //   from L1 for the others (on AVX-512 the tile prefetches B's rows Isa::direct_prefetch steps
-//   ahead: the first row tile's reads of a block from L3 otherwise wait on each line). Rows are
+//   ahead: the first row tile's reads of a block from L3 otherwise wait on each line; and every
+//   tile of the first column block fetches the next tile's rows of A, a line a step). Rows are
 //   cut into tiles of equal height, give or take a row (AVX-512, 32 → 11, 11, 10, not 14 + 14 + 4;
 //   AVX2, 32 → 6, 6, 5, 5, 5, 5, not 6 · 5 + 2: a 2-row tile's 4 FMA chains run at half the rate).
 // gemm_tn: C[M,N] = beta·C + A[K,M]ᵀ·B[K,N] on the same kernel, the MR floats of A's column k of Aᵀ
@@ -50,7 +51,8 @@ struct gemm_direct_t {
     /// TransA, A[0:k, 0:MR]ᵀ·B[0:k, 0:cols].
     template <int MR, bool Two, bool TransA = false>
     [[gnu::noinline]] static void tile(index_t k, const float* a, index_t lda, const float* b, index_t ldb, float* c,
-                                       index_t ldc, index_t cols, float beta) {
+                                       index_t ldc, index_t cols, float beta, const float* next_a = nullptr,
+                                       index_t next_rows = 0) {
         batch acc[MR][2];
 #pragma GCC unroll 16
         for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = batch(0.0f);
@@ -59,8 +61,18 @@ struct gemm_direct_t {
 #pragma GCC unroll 16
         for (int i = 0; i < MR; ++i) simd::prefetch_for_write(c + i * ldc, cols);
         const index_t c1 = cols - lanes;
+        // The next tile's rows of A (next_a: its first row, next_rows of them, k floats each), one line
+        // a step: short rows far apart (the absorbed attention's ẑ slab, 512 B a row) end before the
+        // hardware prefetchers have learnt them.
+        constexpr index_t line = 64 / sizeof(float);
+        const index_t row_lines = (k + line - 1) / line;
+        index_t ahead_row = next_a ? 0 : next_rows, ahead_line = 0;
         for (index_t p = 0; p < k; ++p) {
             const float* bp = b + p * ldb;
+            if (ahead_row < next_rows) {
+                _mm_prefetch(reinterpret_cast<const char*>(next_a + ahead_row * lda + ahead_line * line), _MM_HINT_T0);
+                if (++ahead_line == row_lines) ahead_line = 0, ++ahead_row;
+            }
             if constexpr (Isa::direct_prefetch > 0) {  // B's row a few steps ahead (the first row tile fetches it)
                 const char* ahead = reinterpret_cast<const char*>(bp + Isa::direct_prefetch * ldb);
                 _mm_prefetch(ahead, _MM_HINT_T0);
@@ -92,10 +104,11 @@ struct gemm_direct_t {
     /// tile<rows, Two, TransA> for a runtime 1 ≤ rows ≤ mr_max.
     template <bool Two, bool TransA, int R = int(mr_max)>
     static void tile_rows(index_t rows, index_t k, const float* a, index_t lda, const float* b, index_t ldb, float* c,
-                          index_t ldc, index_t cols, float beta) {
+                          index_t ldc, index_t cols, float beta, const float* next_a, index_t next_rows) {
         if constexpr (R > 1)
-            if (rows < R) return tile_rows<Two, TransA, R - 1>(rows, k, a, lda, b, ldb, c, ldc, cols, beta);
-        tile<R, Two, TransA>(k, a, lda, b, ldb, c, ldc, cols, beta);
+            if (rows < R)
+                return tile_rows<Two, TransA, R - 1>(rows, k, a, lda, b, ldb, c, ldc, cols, beta, next_a, next_rows);
+        tile<R, Two, TransA>(k, a, lda, b, ldb, c, ldc, cols, beta, next_a, next_rows);
     }
 
     /// gemm_nn (TransA false) or gemm_tn (true): column blocks of two vectors outside, row tiles of
@@ -111,8 +124,14 @@ struct gemm_direct_t {
             for (index_t t = 0, i = 0; t < tiles; ++t) {
                 const index_t rows = height + (t < taller ? 1 : 0);
                 const float* ai = TransA ? a + i : a + i * lda;  // the tile's rows of C: A's rows, or Aᵀ's
-                if (cols > lanes) tile_rows<true, TransA>(rows, k, ai, lda, b + j, ldb, c + i * ldc + j, ldc, cols, beta);
-                else tile_rows<false, TransA>(rows, k, ai, lda, b + j, ldb, c + i * ldc + j, ldc, cols, beta);
+                // A's rows of the next tile, fetched while this one runs (the first column block's
+                // tiles read them first; Aᵀ's columns lie in lines this tile reads).
+                const index_t next_rows = TransA || j > 0 || t + 1 == tiles ? 0 : height + (t + 1 < taller ? 1 : 0);
+                const float* next_a = next_rows > 0 ? ai + rows * lda : nullptr;
+                if (cols > lanes)
+                    tile_rows<true, TransA>(rows, k, ai, lda, b + j, ldb, c + i * ldc + j, ldc, cols, beta, next_a, next_rows);
+                else
+                    tile_rows<false, TransA>(rows, k, ai, lda, b + j, ldb, c + i * ldc + j, ldc, cols, beta, next_a, next_rows);
                 i += rows;
             }
         }
