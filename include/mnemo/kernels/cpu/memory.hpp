@@ -98,11 +98,15 @@ struct device_memory<cpu> {
             }
         });
     }
-    /// Bytes from which copy splits over the threads (a generated token of configuration C moves
-    /// 1 MiB of a layer's cached keys and values when the memory compresses), and the least each
-    /// thread's part gets.
-    static constexpr std::size_t copy_parallel_min_bytes = std::size_t(1) << 19;
-    static constexpr std::size_t copy_part_min_bytes = std::size_t(1) << 18;
+    /// Bytes from which copy splits over the threads, and the least each thread's part gets. When
+    /// the memory compresses (every rate-th generated token), a layer's cached keys and values move
+    /// by a few rows: 1 MiB in configuration C, 250 KiB in B. From 512 KiB on (256 KiB parts), B's
+    /// moves stayed on one thread, the other waiting: 6 a compressing token, a tenth of B's token
+    /// time in `perf`. From 128 KiB (64 KiB parts): B's token 0.957-0.978× the time (Zen 4, 2
+    /// threads, one process alternating the two, medians of 16 rounds of 300 tokens), A's training
+    /// step 0.999×.
+    static constexpr std::size_t copy_parallel_min_bytes = std::size_t(1) << 17;
+    static constexpr std::size_t copy_part_min_bytes = std::size_t(1) << 16;
     static void upload(void* dst, const void* host, std::size_t bytes) {
         if (bytes) std::memcpy(dst, host, bytes);
     }
