@@ -126,6 +126,40 @@ std::vector<T> naive_softmax(index_t rows, index_t cols, const std::vector<T>& x
 TEST_CASE("gemm: nn, nt and tn forms with accumulate match a naive loop (float)") { check_gemm_forms<float>(2e-5); }
 TEST_CASE("gemm: nn, nt and tn forms with accumulate match a naive loop (double)") { check_gemm_forms<double>(1e-12); }
 
+TEST_CASE("gemm: row_dots gives a row the same bits wherever its group of the SIMD width begins") {
+    // From row_dots_group_min_k on, the rows' sums reduce W at a time (transpose_add), the last
+    // n % W one by one (halving_sum): started one row later, every row changes its place in a group
+    // or leaves the groups. Shorter rows reduce one by one (reduce_add).
+    auto check = [](auto zero) {
+        using T = decltype(zero);
+        constexpr index_t w = mnemo::simd::width<T>;
+        constexpr index_t g = mnemo::cpu_kernels::gemm::row_dots_group_min_k;
+        for (index_t k : {index_t(16), index_t(37), g - 1, g, g + 37, 4 * g}) {
+            const index_t n = 3 * w + 5, ldm = k + 3;
+            const auto m = mnemo::testing::random_vector<T>(n * ldm, 31);
+            const auto x = mnemo::testing::random_vector<T>(k, 32);
+            std::vector<T> whole(std::size_t(n), T(0.5));
+            mnemo::cpu_kernels::gemm::row_dots(n, k, m.data(), ldm, x.data(), whole.data(), T(1.5));
+            for (index_t s = 1; s <= w; ++s) {
+                std::vector<T> part(std::size_t(n), T(0.5));
+                mnemo::cpu_kernels::gemm::row_dots(n - s, k, m.data() + s * ldm, ldm, x.data(), part.data() + s, T(1.5));
+                CAPTURE(k);
+                CAPTURE(s);
+                CHECK(std::memcmp(part.data() + s, whole.data() + s, sizeof(T) * std::size_t(n - s)) == 0);
+            }
+            double worst = 0;  // and right
+            for (index_t r = 0; r < n; ++r) {
+                double ref = 0;
+                for (index_t p = 0; p < k; ++p) ref += double(m[std::size_t(r * ldm + p)]) * double(x[std::size_t(p)]);
+                worst = std::max(worst, std::abs(double(whole[std::size_t(r)]) - (0.5 + 1.5 * ref)));
+            }
+            CHECK(worst < (sizeof(T) == 4 ? 1e-4 : 1e-12));
+        }
+    };
+    check(float(0));
+    check(double(0));
+}
+
 TEST_CASE("gemm: one- and two-row products (GEMVs) are bitwise the same on 1, 2 and 3 threads") {
     // Large matrix-vector products split their outputs over the threads (gemv_parallel_min), at
     // multiples of gemv_split outputs: every output must come out with the same bits.

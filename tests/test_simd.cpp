@@ -4,8 +4,8 @@
 // fails here by name, not in a model test far away: xsimd 8.1's haddp, for one, permutes its sums on
 // AVX-512 (the last case below pins that down where it applies).
 //
-//   simd::transpose_add  (heads_dot_rows)  lane i = Σ lanes of batch i, each in halving_sum's order
-//   simd::reduce_add     (xsimd::hadd)     softmax, layer norm, cross-entropy, head_nt, gemm::row_dots
+//   simd::transpose_add  (heads_dot_rows, gemm::row_dots)  lane i = Σ lanes of batch i, each in halving_sum's order
+//   simd::reduce_add     (xsimd::hadd)     softmax, layer norm, cross-entropy, head_nt
 //   simd::reduce_max                       own lane loop
 //   simd::fma / fms                        fused (one rounding, as std::fma) where the target has FMA
 //   xsimd::max / select / comparison       ReLU and its gradient, running maxima

@@ -220,12 +220,16 @@ struct gemm {
     /// lines a row): on the 2-core Zen 3 VM, over configuration C's 40 weight matrices (100 MB, 2
     /// threads, split as gemv_threads splits them), Eigen read 17.4 GB/s and this loop 19.4, where a
     /// plain sum of the same bytes read 20.9 (best of 30 passes, averaged over 8 interleaved rounds).
-    /// Each output is computed the same way wherever a split puts its row.
+    /// From row_dots_group_min_k on, the rows' vector sums go W (the SIMD width) at a time through one
+    /// transpose_add instead of a horizontal sum each; every row's lanes are then summed in
+    /// transpose_add's order (the last rows, fewer than W, by halving_sum), below it in xsimd::hadd's.
+    /// Either way each output is computed the same way wherever a split or a group puts its row.
     template <class T>
     static void row_dots(index_t n, index_t k, const T* m, index_t ldm, const T* x, T* c, T alpha) {
         using B = simd::batch<T>;
         constexpr index_t w = simd::width<T>;
-        for (index_t r = 0; r < n; ++r) {
+        // Row r's vector of partial sums, and its scalar tail (k not a whole number of vectors).
+        auto partial = [&](index_t r, T& tail) {
             const T* a = m + r * ldm;
             B s0(T(0)), s1(T(0)), s2(T(0)), s3(T(0));
             index_t j = 0;
@@ -236,11 +240,44 @@ struct gemm {
                 s3 = simd::fma(simd::load(a + j + 3 * w), simd::load(x + j + 3 * w), s3);
             }
             for (; j + w <= k; j += w) s0 = simd::fma(simd::load(a + j), simd::load(x + j), s0);
-            T tail = T(0);  // by pointer: with an index, g++ 12 misreads a constant k (-Waggressive-loop-optimizations)
+            tail = T(0);  // by pointer: with an index, g++ 12 misreads a constant k (-Waggressive-loop-optimizations)
             for (const T *p = a + j, *q = x + j; p < a + k; ++p, ++q) tail += *p * *q;
-            c[r] += alpha * (simd::reduce_add((s0 + s1) + (s2 + s3)) + tail);
+            return (s0 + s1) + (s2 + s3);
+        };
+        index_t r = 0;
+        if (k < row_dots_group_min_k) {
+            for (; r < n; ++r) {
+                T tail;
+                const B v = partial(r, tail);
+                c[r] += alpha * (simd::reduce_add(v) + tail);
+            }
+            return;
+        }
+        for (; r + w <= n; r += w) {
+            B v[w];
+            T tails[w];
+            for (index_t i = 0; i < w; ++i) v[i] = partial(r + i, tails[i]);
+            alignas(64) T sums[w];
+            simd::transpose_add(v).store_aligned(sums);
+            for (index_t i = 0; i < w; ++i) c[r + i] += alpha * (sums[i] + tails[i]);
+        }
+        for (; r < n; ++r) {
+            T tail;
+            alignas(64) T lanes[w];
+            partial(r, tail).store_aligned(lanes);
+            c[r] += alpha * (simd::halving_sum<T, int(w)>(lanes) + tail);
         }
     }
+
+    /// Row length from which row_dots sums its rows' lanes W rows at a time. Zen 4 VM (AVX-512),
+    /// C's weight matrices (k 512 and 2048, 72 MB, from DRAM): one row at a time 22.2-23.8 GB/s on
+    /// one thread, 28.2-28.5 on two; W at a time 25.7-27.5 and 31.3-32.4, where a plain sum of the
+    /// same halves read 33.3-34.2 (medians of 15 passes, two runs); C's cached token 0.909-0.929 of
+    /// the time on two threads, 0.945 on one (one process alternating the two, medians of 8-12
+    /// rounds). With the rows in L1 or L2 the groups cost more than they save: 128×128 1.10×, 256×128
+    /// 1.10×, 128×256 1.05×, 512×512 1.04×, 2048×512 1.005× (one thread), A's token 1.09-1.10×.
+    /// B's token (k 256 and 1024) moved within the noise (1.005).
+    static constexpr index_t row_dots_group_min_k = 512;
 
     /// c[n] (stride 1) = beta·c + alpha·M·x, with M [n, k] row-major (Transposed: M = Bᵀ, B [k, n]).
     /// The row-major form with a contiguous x is row_dots; the others are Eigen's GEMV.
