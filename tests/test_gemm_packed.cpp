@@ -277,6 +277,41 @@ TEST_CASE("gemm_packed: the same bits on 1, 2 and 3 threads, shared or private B
         }
 }
 
+TEST_CASE("gemm_packed: a bias added as the last K block's tiles store C gives the bits of the product, then add_bias_rows") {
+    // y = x·Wᵀ + b in one pass (gemm_nt_bias, a linear layer's forward) against gemm_nt followed by
+    // add_bias_rows: full and partial tiles, one K block and several (k past kc, and a blocking of
+    // kc = 2·lanes), 1 to 3 threads, C's padding left alone; k = 0 gives the bias alone.
+    struct shape {
+        index_t m, n, k;
+    };
+    std::uint64_t seed = 1900;
+    const mnemo::cpu_kernels::packed_blocking small{"small", 2 * GP::lanes, 2 * GP::mr, 2 * GP::task_cols, 0};
+    for (auto [m, n, k] : {shape{256, 128, 128}, shape{97, 70, 1100}, shape{301, 300, 129}, shape{29, 45, 37}, shape{20, 40, 0}}) {
+        const problem p(nt, m, n, k, 3, seed += 3);
+        const std::vector<float> bias = mnemo::testing::random_vector<float>(n, seed + 7);
+        for (const mnemo::cpu_kernels::packed_blocking* bl : {&GP::tuning(), &small}) {
+            std::vector<float> ref = p.c;
+            GP::run<GP::form::nt>(m, n, k, p.a.data(), p.lda, p.b.data(), p.ldb, ref.data(), p.ldc, 0.0f, 1.0f, 1, *bl);
+            K::add_bias_rows(m, n, bias.data(), ref.data(), p.ldc);
+            for (int t = 1; t <= 3; ++t) {
+                std::vector<float> out = p.c;
+                GP::run<GP::form::nt>(m, n, k, p.a.data(), p.lda, p.b.data(), p.ldb, out.data(), p.ldc, 0.0f, 1.0f, t, *bl,
+                                      {}, bias.data());
+                INFO(m << "x" << n << "x" << k << " blocking " << std::string(bl->measured_on) << " threads " << t);
+                CHECK(std::memcmp(out.data(), ref.data(), ref.size() * sizeof(float)) == 0);
+            }
+        }
+        // Through the kernel table (W's rows unpadded, as a linear layer's), whatever path the shape takes.
+        const problem q(nt, m, n, k, 0, seed + 11);
+        std::vector<float> ref = q.c, out = q.c;
+        K::gemm_nt(m, n, k, q.a.data(), q.lda, q.b.data(), q.ldb, ref.data(), q.ldc);
+        K::add_bias_rows(m, n, bias.data(), ref.data(), q.ldc);
+        K::linear_forward(m, k, n, q.a.data(), q.lda, q.b.data(), bias.data(), out.data(), q.ldc);
+        INFO(m << "x" << n << "x" << k << " through linear_forward, packed path " << K::use_packed(m, n, k));
+        CHECK(std::memcmp(out.data(), ref.data(), ref.size() * sizeof(float)) == 0);
+    }
+}
+
 TEST_CASE("gemm_packed: a packing task another thread never finishes is packed again, not waited for") {
     std::atomic<int> done{2}, stuck{1};
     CHECK(GP::packed(done));

@@ -626,6 +626,26 @@ TEST_CASE("elementwise: bias add and column sums") {
     for (index_t i = 0; i < rows; ++i)
         for (index_t j = 0; j < n; ++j) rdb[j] += c[i * ld + j];
     check_close("sum_rows_accumulate", db, rdb, 1e-14, 1e-14);
+    // add with b's stride 0: b's one row added to every row (an attention's q + u), out of place and
+    // in place, bitwise add_bias_rows's sums; large enough to be split over the threads.
+    for (index_t r : {rows, index_t(1200)}) {
+        auto x = random_vector<float>(r * ld, 3);
+        auto u = random_vector<float>(n, 4);
+        std::vector<float> want = x, out(std::size_t(r * ld), -7.0f), in_place = x;
+        K::add_bias_rows(r, n, u.data(), want.data(), ld);
+        K::add(r, n, x.data(), ld, u.data(), 0, out.data(), ld);
+        K::add(r, n, in_place.data(), ld, u.data(), 0, in_place.data(), ld);
+        for (index_t i = 0; i < r; ++i)
+            for (index_t j = 0; j < ld; ++j) {
+                const std::size_t e = std::size_t(i * ld + j);
+                if (j < n) {
+                    REQUIRE(out[e] == want[e]);
+                    REQUIRE(in_place[e] == want[e]);
+                } else {
+                    REQUIRE(out[e] == -7.0f);  // past n: untouched
+                }
+            }
+    }
 }
 
 TEST_CASE("elementwise: copy_block copies every element, streamed or not, from any alignment") {

@@ -19,7 +19,7 @@
 //                 plain_attention_forward, plain_attention_backward (the reconstruction losses)
 //   softmax       softmax_forward, softmax_backward (masked rows), softmax_contiguous
 //   layer norm    layer_norm_forward, layer_norm_backward
-//   linear        linear_backward (weight, bias and input gradients of y = x·Wᵀ + b)
+//   linear        linear_forward (y = x·Wᵀ + b), linear_backward (weight, bias and input gradients)
 //   attention     relative_attention_forward, relative_attention_backward (the core between the
 //                 projections: kernels/relative_attention_state.hpp), kv_projection_backward,
 //                 frozen_norm_backward, key_padding_keep, parallel_slots (per-thread scratch blocks);
@@ -58,7 +58,7 @@
     X(gemm_nt) X(gemm_nn) X(gemm_tn) X(gemm_nt_direct) X(gemm_nn_direct) X(concurrent_pair)                 \
     X(head_gemm_nt) X(head_gemm_nn) X(head_gemm_tn) X(heads_dot_rows) X(heads_weighted_rows)                \
     X(softmax_forward) X(softmax_backward) X(softmax_contiguous)                                            \
-    X(layer_norm_forward) X(layer_norm_backward) X(linear_backward)                                         \
+    X(layer_norm_forward) X(layer_norm_backward) X(linear_forward) X(linear_backward)                      \
     X(activation_forward) X(activation_backward) X(relu_forward) X(relu_backward)                           \
     X(relative_attention_forward) X(relative_attention_backward) X(kv_projection_backward)                 \
     X(frozen_norm_backward) X(key_padding_keep) X(parallel_slots)                                           \

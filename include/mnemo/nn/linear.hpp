@@ -51,8 +51,8 @@ public:
         static_assert(check_view<In, X, axis::in_features, Backend>());
         static_assert(check_view<Out, Y, axis::out_features, Backend>());
         check_shapes(x, y, "x", "y");
-        kernels::gemm_nt(x.rows(), out_, in_, x.data(), x.ld(), weight_.value(), in_, y.data(), y.ld());
-        if (bias_) kernels::add_bias_rows(y.rows(), out_, bias_.value(), y.data(), y.ld());
+        kernels::linear_forward(x.rows(), in_, out_, x.data(), x.ld(), weight_.value(), bias_ ? bias_.value() : nullptr,
+                                y.data(), y.ld());
     }
 
     /// dW += dyᵀ·x, db += Σ dy; dx = dy·W (+= when accumulate_dx; skipped when dx has no data).

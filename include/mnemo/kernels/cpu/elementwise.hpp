@@ -43,7 +43,7 @@ struct elementwise {
         });
     }
 
-    /// y[i, :] = a[i, :] + b[i, :]   (y may alias a or b)
+    /// y[i, :] = a[i, :] + b[i, :]   (y may alias a or b; ldb = 0 adds b's one row to every row)
     template <class T>
     static void add(index_t rows, index_t n, const T* a, index_t lda, const T* b, index_t ldb, T* y, index_t ldy) {
         const index_t nv = simd::full_batches<T>(n);

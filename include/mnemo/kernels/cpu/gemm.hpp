@@ -96,6 +96,7 @@
 
 #include "../../core/shape.hpp"
 #include "causal_keys.hpp"
+#include "elementwise.hpp"
 #include "gemm_direct.hpp"
 #include "parallel.hpp"
 
@@ -504,6 +505,32 @@ struct gemm {
         }
 #endif
         gemm_nt_eigen(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha);
+    }
+
+    /// C[M,N] = A[M,K]·B[N,K]ᵀ + bias, bias[j] (null: none) added to column j of every row: a linear
+    /// layer's forward. The packed path adds the bias as its last K block's tiles store C, which
+    /// spares a pass over C and a hand-off between the threads (configuration A's step: the separate
+    /// pass was about 1% of it); the other paths add it after the product (add_bias_rows). Either
+    /// way each element is the product's sum plus its bias, one rounding after the other: the bits
+    /// are those of gemm_nt followed by add_bias_rows.
+    template <class T>
+    static void gemm_nt_bias(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb,
+                             const T* bias, T* c, index_t ldc) {
+#ifdef MNEMO_PACKED_GEMM
+        if constexpr (std::is_same_v<T, float>) {
+            bool blas = false;
+#ifdef MNEMO_USE_BLAS
+            blas = use_blas<T>(m, n, k) && lda >= k && ldb >= k && ldc >= n;  // gemm_nt's first choice
+#endif
+            if (bias && !blas && use_packed(m, n, k)) {
+                gemm_packed::run<gemm_packed::form::nt>(m, n, k, a, lda, b, ldb, c, ldc, 0.0f, 1.0f, threads_for(m, n, k),
+                                                        gemm_packed::tuning(), causal_keys{}, bias);
+                return;
+            }
+        }
+#endif
+        gemm_nt(m, n, k, a, lda, b, ldb, c, ldc);
+        if (bias) elementwise::add_bias_rows(m, n, bias, c, ldc);
     }
 
     /// C[M,N] = beta·C + alpha·A[K,M]ᵀ·B[K,N]

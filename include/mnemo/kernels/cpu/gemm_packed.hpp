@@ -395,7 +395,9 @@ struct gemm_packed_t {
     }
 
     /// C ← alpha·acc + prev for one vector of C, prev = beta·C (load_c) or 0: the one formula of full
-    /// and partial tiles (multiplications by 1 are skipped, which changes no bit).
+    /// and partial tiles (multiplications by 1 are skipped, which changes no bit). The last K block
+    /// of a product with a bias then adds the bias's vector to that, the same sum as adding it after
+    /// the product (elementwise::add_bias_rows).
     struct update {
         batch va, vb;
         bool unit_alpha, unit_beta, load_c;
@@ -412,9 +414,10 @@ struct gemm_packed_t {
     /// partial ones (rows < MR or cols < nr: packed with zeros) go through a copy of the accumulators
     /// and partial loads and stores. Out of line, so that the accumulators have the registers to
     /// themselves. tile_rows picks MR; each element's sum is the same FMA chain over k whatever MR.
+    /// bias (null: none): the tile's columns of a row vector added to every row after the update.
     template <index_t IS, index_t PS, index_t MR = mr>
     [[gnu::noinline]] static void tile(index_t kb, const float* a, const float* b, float* c, index_t ldc, index_t rows,
-                                       index_t cols, const update& up) {
+                                       index_t cols, const update& up, const float* bias) {
         static_assert(MR >= 1 && MR <= mr);
         batch acc[MR][nv];
 #pragma GCC unroll 16
@@ -448,6 +451,19 @@ struct gemm_packed_t {
             for (index_t p = 0; p < kb; ++p) step(p);
         }
         if (rows == MR && cols == nr) {
+            if (bias) {
+                batch bv[nv];
+#pragma GCC unroll 2
+                for (index_t v = 0; v < nv; ++v) bv[v] = batch::load_unaligned(bias + v * lanes);
+#pragma GCC unroll 16
+                for (index_t i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+                    for (index_t v = 0; v < nv; ++v) {
+                        float* cp = c + i * ldc + v * lanes;
+                        (up(acc[i][v], up.load_c ? batch::load_unaligned(cp) : batch(0.0f)) + bv[v]).store_unaligned(cp);
+                    }
+                return;
+            }
 #pragma GCC unroll 16
             for (index_t i = 0; i < MR; ++i)
 #pragma GCC unroll 2
@@ -467,7 +483,9 @@ struct gemm_packed_t {
                 float* cp = c + i * ldc + v * lanes;
                 const index_t w = cols - v * lanes;
                 const batch prev = up.load_c ? batch(Isa::load_partial(cp, w)) : batch(0.0f);
-                Isa::store_partial(cp, w, up(batch::load_aligned(t + i * nr + v * lanes), prev));
+                batch r = up(batch::load_aligned(t + i * nr + v * lanes), prev);
+                if (bias) r = r + batch(Isa::load_partial(bias + v * lanes, w));
+                Isa::store_partial(cp, w, r);
             }
     }
 
@@ -476,10 +494,10 @@ struct gemm_packed_t {
     /// chains cost no extra loads of B).
     template <index_t IS, index_t PS, index_t MR = mr>
     static void tile_rows(index_t kb, const float* a, const float* b, float* c, index_t ldc, index_t rows, index_t cols,
-                          const update& up) {
+                          const update& up, const float* bias) {
         if constexpr (MR > 2)
-            if (rows <= MR - 2) return tile_rows<IS, PS, MR - 2>(kb, a, b, c, ldc, rows, cols, up);
-        tile<IS, PS, MR>(kb, a, b, c, ldc, rows, cols, up);
+            if (rows <= MR - 2) return tile_rows<IS, PS, MR - 2>(kb, a, b, c, ldc, rows, cols, up, bias);
+        tile<IS, PS, MR>(kb, a, b, c, ldc, rows, cols, up, bias);
     }
 
     using buffer = std::vector<float, Eigen::aligned_allocator<float>>;
@@ -525,14 +543,19 @@ struct gemm_packed_t {
     /// so a tile's k loop stops at its last row's end. tn (C [keys, ·], k the queries): op(A)[j, p]
     /// is zero for p < band.first_query(j), so a tile's k loop starts at its first row's. Only exact
     /// zeros are skipped: the sums are those of the whole product but the sign of a zero.
+    /// `bias` (null: none; a band is then not used): bias[j] added to C's column j after the product, as the
+    /// tiles of the last K block store C (a linear layer's y = x·Wᵀ + b in one pass over y).
     template <form F>
     static void run(index_t m, index_t n, index_t k, const float* a, index_t lda, const float* b, index_t ldb, float* c,
                     index_t ldc, float beta, float alpha, int threads, const packed_blocking& bl = tuning(),
-                    causal_keys band = {}) {
+                    causal_keys band = {}, const float* bias = nullptr) {
         if (m <= 0 || n <= 0) return;
         if (k <= 0) {
             for (index_t i = 0; i < m; ++i)
-                for (index_t j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.0f ? 0.0f : beta * c[i * ldc + j];
+                for (index_t j = 0; j < n; ++j) {
+                    const float prev = beta == 0.0f ? 0.0f : beta * c[i * ldc + j];
+                    c[i * ldc + j] = bias ? prev + bias[j] : prev;
+                }
             return;
         }
         // Packed A: row i of a panel at a[i·a_ld] (nn, nt), or column p at a[p·lanes] (tn); panels
@@ -549,7 +572,7 @@ struct gemm_packed_t {
         const bool by_cols =
             threads > 1 && m <= bl.col_split_rows && n >= 2 * nr * threads && work >= col_split_min_work;
         const bool shared = threads > 1 && !by_cols && work >= shared_min_work && blocks * kc * nc <= shared_b_max;
-        const bool banded = !band.none();
+        const bool banded = !band.none() && !bias;  // with a bias every tile is computed and stored
         float* shared_b = shared ? thread_buffer(2, blocks * kc * nc) : nullptr;
         std::atomic<int>* states = shared ? task_states(blocks * tasks) : nullptr;
 
@@ -601,6 +624,7 @@ struct gemm_packed_t {
                         pack_b(jc, pc, 0, nb, bp);
                     }
                     const update up(alpha, pc == 0 ? beta : 1.0f, pc > 0 || beta != 0.0f);
+                    const float* block_bias = pc + kb >= k ? bias : nullptr;  // after the last K block
                     for (index_t ic = r0; ic < r1; ic += mc) {
                         const index_t mb = std::min(mc, r1 - ic);
                         if constexpr (F == form::tn) pack_a_cols(a + pc * lda + ic, lda, kb, mb, ap);
@@ -631,7 +655,8 @@ struct gemm_packed_t {
                                     tile_rows<a_stride_i, a_stride_p>(depth, ap + ir / mr * a_panel + skip * a_stride_p,
                                                                       panels + (jr - j0) * kb + skip * nr,
                                                                       c + (ic + ir) * ldc + jc + jr, ldc, rows,
-                                                                      std::min(nr, nb - jr), up);
+                                                                      std::min(nr, nb - jr), up,
+                                                                      block_bias ? block_bias + jc + jr : nullptr);
                                 }
                         }
                     }

@@ -1,5 +1,6 @@
 #pragma once
-// The backward of a linear layer y = x·Wᵀ + b as one kernel, so the choice of running its two
+// A linear layer y = x·Wᵀ + b: its forward (the bias added as the product stores y, where the GEMM
+// path allows) and its backward as one kernel each, so the choice of running the backward's two
 // independent halves side by side is the kernel's, not the module's.
 #include "parallel.hpp"
 #include "../../core/shape.hpp"
@@ -9,6 +10,14 @@
 namespace mnemo::cpu_kernels {
 
 struct linear_layer {
+    /// y [rows, out] = x [rows, in]·Wᵀ + b, W [out, in] (row stride in), b [out] (null: no bias).
+    /// Bitwise gemm_nt followed by add_bias_rows (gemm::gemm_nt_bias).
+    template <class T>
+    static void linear_forward(index_t rows, index_t in, index_t out, const T* x, index_t ldx, const T* w, const T* b,
+                               T* y, index_t ldy) {
+        gemm::gemm_nt_bias(rows, out, in, x, ldx, w, in, b, y, ldy);
+    }
+
     /// gw [out, in] += dyᵀ·x and gb [out] += Σ rows dy (gb null: no bias); dx [rows, in] = dy·W, or
     /// += with accumulate_dx (dx null: not wanted, W not read). W is [out, in] with row stride in.
     /// The weight gradient and dx are independent: at mid sizes (gemm::concurrent_pair) they run at the

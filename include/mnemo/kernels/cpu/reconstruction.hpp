@@ -94,10 +94,8 @@ struct reconstruction {
                 gemm::gemm_nt(c_rows, d, d, cn, ldcn, wk, d, kc, d);
             },
             [&] {
-                gemm::gemm_nt(m_rows, d, d, mn, ldmn, wv, d, vm, d);
-                elementwise::add_bias_rows(m_rows, d, bv, vm, d);
-                gemm::gemm_nt(c_rows, d, d, cn, ldcn, wv, d, vc, d);
-                elementwise::add_bias_rows(c_rows, d, bv, vc, d);
+                gemm::gemm_nt_bias(m_rows, d, d, mn, ldmn, wv, d, bv, vm, d);
+                gemm::gemm_nt_bias(c_rows, d, d, cn, ldcn, wv, d, bv, vc, d);
             });
     }
 

@@ -153,6 +153,13 @@ struct ops<cuda> {
                                     bool accumulate_dx = false) {
         cuda_kernels::layer_norm_backward(rows, d, x, ldx, w, mean, rstd, dy, lddy, dx, lddx, dw, db, accumulate_dx);
     }
+    /// y = x·Wᵀ + b (b null: none): cuBLAS's product, then the bias.
+    template <class T>
+    static void linear_forward(index_t rows, index_t in, index_t out, const T* x, index_t ldx, const T* w, const T* b,
+                               T* y, index_t ldy) {
+        cuda_kernels::gemm_nt(rows, out, in, x, ldx, w, in, y, ldy, T(0), T(1));
+        if (b) cuda_kernels::add_bias_rows(rows, out, b, y, ldy);
+    }
     template <class T>
     static void linear_backward(index_t rows, index_t in, index_t out, const T* x, index_t ldx, const T* dy,
                                 index_t lddy, const T* w, T* gw, T* gb, T* dx, index_t lddx, bool accumulate_dx) {

@@ -106,8 +106,7 @@ public:
         check_rows(z, out, "feedback_attention", "z", "out");
         const view_d q(cache.q, batch, D), ctx(cache.ctx, batch, D), qu(qu_.ensure(batch * D), batch, D);
         query_.forward(z, q);
-        kernels::copy(batch, D, q.data(), D, qu.data(), D);
-        kernels::add_bias_rows(batch, D, u_.value(), qu.data(), D);  // q + u, u [heads·d_k] broadcast
+        kernels::add(batch, D, q.data(), D, u_.value(), 0, qu.data(), D);  // q + u, u [heads·d_k] added to every row
 
         feedback_attention_state<T> st = state(batch, t, q.data(), qu.data(), keys, values);
         st.attn = cache.attn;
@@ -131,8 +130,7 @@ public:
         const view_d d_ctx(d_ctx_.ensure(batch * D), batch, D), qu(qu_.ensure(batch * D), batch, D),
             d_qu(d_qu_.ensure(batch * D), batch, D);
         output_.backward_input(d_out, d_ctx);
-        kernels::copy(batch, D, q.data(), D, qu.data(), D);
-        kernels::add_bias_rows(batch, D, u_.value(), qu.data(), D);
+        kernels::add(batch, D, q.data(), D, u_.value(), 0, qu.data(), D);
 
         feedback_attention_state<T> st = state(batch, t, q.data(), qu.data(), keys, values);
         st.saved_attn = cache.attn;

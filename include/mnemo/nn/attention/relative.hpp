@@ -241,8 +241,7 @@ public:
                     "element is read by the absorbed route over all the memory rows only, which this forward does not take");
         last_k_len_ = k_len_;
         last_batch_ = batch_;
-        kernels::copy(qb, D, q.data(), D, qu.data(), D);
-        kernels::add_bias_rows(qb, D, u_.value(), qu.data(), D);  // q + u, u [heads·d_k] broadcast over rows
+        kernels::add(qb, D, q.data(), D, u_.value(), 0, qu.data(), D);  // q + u, u [heads·d_k] added to every row
 
         // The visibility of the keys under padding (kept for backward).
         if (key_pad_) kernels::key_padding_keep(batch_, k_len_, key_pad_, keep_.ensure(batch_ * k_len_), keep_any_.ensure(batch_));

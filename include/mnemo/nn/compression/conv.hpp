@@ -84,8 +84,7 @@ public:
         const index_t k_ = k();
         T* x = x_.ensure(rows * k_);  // X [n·batch, D·Rate]
         kernels::template im2col_time<Rate>(rows, batch, d_, mem.data(), mem.ld(), x, c_);
-        kernels::gemm_nt(rows, d_, k_, x, k_, weight_.value(), k_, out.data(), out.ld());
-        kernels::add_bias_rows(rows, d_, bias_.value(), out.data(), out.ld());
+        kernels::linear_forward(rows, k_, d_, x, k_, weight_.value(), bias_.value(), out.data(), out.ld());
         saved_rows_ = mem.rows();
         saved_batch_ = batch;
     }

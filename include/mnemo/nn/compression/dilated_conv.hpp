@@ -139,8 +139,7 @@ public:
             const bool last = k + 1 == n_layers_;
             T* y = last ? out.data() : h + h_offset(mem_rows, k + 1);
             const index_t ldy = last ? out.ld() : index_t(d_);
-            kernels::gemm_nt(rows, d_, k_, xk, k_, weight_[std::size_t(k)].value(), k_, y, ldy);
-            kernels::add_bias_rows(rows, d_, bias_[std::size_t(k)].value(), y, ldy);
+            kernels::linear_forward(rows, k_, d_, xk, k_, weight_[std::size_t(k)].value(), bias_[std::size_t(k)].value(), y, ldy);
             if (!last) kernels::relu_forward(rows * d_, y, y);  // dense: ldy = D
             in = y;
             ld_in = ldy;
