@@ -486,51 +486,39 @@ struct gemm {
                         index_t ldc, T beta = T(0), T alpha = T(1)) {
         gemm_nt_banded(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha, causal_keys{});
     }
-    /// gemm_nt over an attention head's causal band (see gemm_nn_banded).
+    /// gemm_nt over an attention head's causal band (see gemm_nn_banded), then bias[j] (null: none)
+    /// added to column j of every row. The packed path adds the bias as its last K block's tiles
+    /// store C (it then computes the whole product, band or not), which spares a pass over C and a
+    /// hand-off between the threads (configuration A's step: the separate pass was about 1% of it);
+    /// the other paths add it after the product (add_bias_rows). Either way each element is the
+    /// product's result plus its bias, one rounding after the other: the same bits.
     template <class T>
     static void gemm_nt_banded(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb, T* c,
-                               index_t ldc, T beta, T alpha, [[maybe_unused]] causal_keys band) {
+                               index_t ldc, T beta, T alpha, [[maybe_unused]] causal_keys band, const T* bias = nullptr) {
 #ifdef MNEMO_USE_BLAS
         if (use_blas<T>(m, n, k) && lda >= k && ldb >= k && ldc >= n) {
             blas_gemm(CblasNoTrans, CblasTrans, m, n, k, a, lda, b, ldb, c, ldc, beta, alpha);
+            if (bias) elementwise::add_bias_rows(m, n, bias, c, ldc);
             return;
         }
 #endif
 #ifdef MNEMO_PACKED_GEMM
         if constexpr (std::is_same_v<T, float>) {
             if (use_packed(m, n, k)) {
-                gemm_nt_packed(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha, band);
+                gemm_nt_packed(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha, band, bias);
                 return;
             }
         }
 #endif
         gemm_nt_eigen(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha);
+        if (bias) elementwise::add_bias_rows(m, n, bias, c, ldc);
     }
 
-    /// C[M,N] = A[M,K]·B[N,K]ᵀ + bias, bias[j] (null: none) added to column j of every row: a linear
-    /// layer's forward. The packed path adds the bias as its last K block's tiles store C, which
-    /// spares a pass over C and a hand-off between the threads (configuration A's step: the separate
-    /// pass was about 1% of it); the other paths add it after the product (add_bias_rows). Either
-    /// way each element is the product's sum plus its bias, one rounding after the other: the bits
-    /// are those of gemm_nt followed by add_bias_rows.
+    /// C[M,N] = A[M,K]·B[N,K]ᵀ + bias (a linear layer's forward; see gemm_nt_banded).
     template <class T>
     static void gemm_nt_bias(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* b, index_t ldb,
                              const T* bias, T* c, index_t ldc) {
-#ifdef MNEMO_PACKED_GEMM
-        if constexpr (std::is_same_v<T, float>) {
-            bool blas = false;
-#ifdef MNEMO_USE_BLAS
-            blas = use_blas<T>(m, n, k) && lda >= k && ldb >= k && ldc >= n;  // gemm_nt's first choice
-#endif
-            if (bias && !blas && use_packed(m, n, k)) {
-                gemm_packed::run<gemm_packed::form::nt>(m, n, k, a, lda, b, ldb, c, ldc, 0.0f, 1.0f, threads_for(m, n, k),
-                                                        gemm_packed::tuning(), causal_keys{}, bias);
-                return;
-            }
-        }
-#endif
-        gemm_nt(m, n, k, a, lda, b, ldb, c, ldc);
-        if (bias) elementwise::add_bias_rows(m, n, bias, c, ldc);
+        gemm_nt_banded(m, n, k, a, lda, b, ldb, c, ldc, T(0), T(1), causal_keys{}, bias);
     }
 
     /// C[M,N] = beta·C + alpha·A[K,M]ᵀ·B[K,N]
@@ -583,9 +571,10 @@ struct gemm {
                                                 gemm_packed::tuning(), band);
     }
     static void gemm_nt_packed(index_t m, index_t n, index_t k, const float* a, index_t lda, const float* b, index_t ldb,
-                               float* c, index_t ldc, float beta = 0.0f, float alpha = 1.0f, causal_keys band = {}) {
+                               float* c, index_t ldc, float beta = 0.0f, float alpha = 1.0f, causal_keys band = {},
+                               const float* bias = nullptr) {
         gemm_packed::run<gemm_packed::form::nt>(m, n, k, a, lda, b, ldb, c, ldc, beta, alpha, threads_for(m, n, k),
-                                                gemm_packed::tuning(), band);
+                                                gemm_packed::tuning(), band, bias);
     }
     static void gemm_tn_packed(index_t m, index_t n, index_t k, const float* a, index_t lda, const float* b, index_t ldb,
                                float* c, index_t ldc, float beta = 0.0f, float alpha = 1.0f, causal_keys band = {}) {
