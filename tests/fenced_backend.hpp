@@ -231,7 +231,7 @@ void pointer_fields(const frozen_key_rows<T>& a, F&& f) {
 }
 template <class T, class F>
 void pointer_fields(const relative_attention_state<T>& a, F&& f) {
-    MNEMO_FIELD(q), MNEMO_FIELD(qu), MNEMO_FIELD(kv), MNEMO_FIELD(r_win), MNEMO_FIELD(s_win), MNEMO_FIELD(keep),
+    MNEMO_FIELD(q), MNEMO_FIELD(qu), MNEMO_FIELD(kv), MNEMO_FIELD(kv_lo), MNEMO_FIELD(r_win), MNEMO_FIELD(s_win), MNEMO_FIELD(keep),
         MNEMO_FIELD(keep_any), MNEMO_FIELD(z), MNEMO_FIELD(wk), MNEMO_FIELD(wv), MNEMO_FIELD(bv), MNEMO_FIELD(pos),
         MNEMO_FIELD(attn), MNEMO_FIELD(ctx), MNEMO_FIELD(q_absorbed), MNEMO_FIELD(mem_mix), MNEMO_FIELD(mem_mix_hat),
         MNEMO_FIELD(row_mass), MNEMO_FIELD(thread_blocks), MNEMO_FIELD(d_ctx), MNEMO_FIELD(d_scores), MNEMO_FIELD(dqu),
@@ -322,6 +322,7 @@ struct ops<fenced> {
     static constexpr bool scores_grad_scratch = ops<cpu>::scores_grad_scratch;
     static constexpr index_t positional_scratch_from = ops<cpu>::positional_scratch_from;
     static constexpr bool plain_attention_scratch = ops<cpu>::plain_attention_scratch;
+    static constexpr bool splits_key_rows = ops<cpu>::splits_key_rows;
     /// fn(), the threads not held: every kernel here opens and closes the fence with mprotect, and a
     /// held thread spinning on the other core turns each into a TLB shootdown to it (the fenced
     /// generation test took 84 s instead of 33 on the 2-core VM). Holding changes no result.

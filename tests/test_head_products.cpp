@@ -273,6 +273,15 @@ void check_runtime_width(std::uint64_t seed) {
     K::heads_weighted_rows<Dk>(0, heads, 45, a.data(), lda, y.data(), ld, o1.data());
     K::heads_weighted_rows(Dk, 0, heads, 45, a.data(), lda, y.data(), ld, o2.data());
     CHECK(bitwise_equal(o1, o2));
+    // Rows [0, m) and then [m, 45) accumulated (the keys of a generated token read from two buffers):
+    // the bits of one call, wherever the rows part.
+    for (index_t m : {1, 3, 4, 17, 44}) {
+        INFO("rows parted at " << m);
+        std::vector<T> o3(o1.size(), T(7));
+        K::heads_weighted_rows<Dk>(0, heads, m, a.data(), lda, y.data(), ld, o3.data());
+        K::heads_weighted_rows<Dk>(0, heads, 45 - m, a.data() + m, lda, y.data() + m * ld, ld, o3.data(), true);
+        CHECK(bitwise_equal(o1, o3));
+    }
 }
 
 }  // namespace

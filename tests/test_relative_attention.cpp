@@ -471,3 +471,95 @@ TEST_CASE("relative_attention: a generated token's q, k and v from one product g
             CHECK(out[0] == out[1]);
         }
 }
+
+TEST_CASE("relative_attention: the compressed memory's keys kept apart (kv_reuse::split) give the bits of one buffer") {
+    // A stream of generated tokens over [compressed slots | memory slots | token], as the compressive
+    // model's cache: each token joins the memory; every third token the memory's three oldest slots
+    // become one compressed slot (the oldest dropped past C), and every seventh step is two tokens at
+    // once (no split then: the buffers join and part again). One attention keeps positions [0, cc)
+    // in their own buffer, one keeps every row in one buffer, one projects every row afresh: the
+    // first two give the same bits, the third the same numbers.
+    using c16 = mnemo::config<16, 2>;
+    constexpr index_t Dm = 16;
+    const index_t P = 160, M = 40, C = 75;
+    for (index_t B : {1, 2}) {
+        INFO("batch " << B);
+        mnemo::parameter_set<float> ps[3];
+        std::vector<mnemo::relative_attention<float, c16>> attn;
+        for (auto& p : ps) attn.emplace_back(p, "a", P);
+        for (int i = 0; i < 3; ++i) {
+            ps[i].allocate();
+            randomize_parameters(ps[i], 71, -0.3f, 0.3f);
+            attn[std::size_t(i)].keep_projections(true);
+        }
+        // Slot ids; id k's input row (B rows of Dm) is a function of k alone.
+        auto row_of = [&](std::int64_t id) { return random_vector<float>(B * Dm, std::uint64_t(1000 + id)); };
+        std::vector<std::int64_t> comp, memo, last_comp, last_keys;  // last_keys: the last call's memory + tokens
+        for (std::int64_t id = 0; id < 60; ++id) comp.push_back(id);  // start with 60 compressed slots
+        std::int64_t next = 1000;
+        for (std::int64_t id = 0; id < 10; ++id) memo.push_back(next++);
+        bool first = true;
+        index_t splits = 0, last_k = 0;
+        for (int step = 0; step < 90; ++step) {
+            const index_t q = step % 7 == 3 ? 2 : 1;
+            std::vector<std::int64_t> keys = memo;
+            for (index_t i = 0; i < q; ++i) keys.push_back(next++);
+            const index_t cc = index_t(comp.size()), K = cc + index_t(keys.size());
+            std::vector<float> zkv;
+            for (auto id : comp) for (float v : row_of(id)) zkv.push_back(v);
+            for (auto id : keys) for (float v : row_of(id)) zkv.push_back(v);
+            mnemo::kv_reuse reuse;
+            if (!first) {  // the spans the model's memory_reuse gives: compressed slots, then memory slots
+                auto span = [&](const std::vector<std::int64_t>& now, index_t now_at, const std::vector<std::int64_t>& then,
+                                index_t then_at, index_t now_len) {
+                    for (index_t i = 0; i < now_len; ++i) {
+                        auto it = std::find(then.begin(), then.end(), now[std::size_t(i)]);
+                        if (it == then.end()) continue;
+                        index_t len = 0;
+                        const index_t j = index_t(it - then.begin());
+                        while (i + len < now_len && j + len < index_t(then.size()) &&
+                               now[std::size_t(i + len)] == then[std::size_t(j + len)])
+                            ++len;
+                        reuse.add(now_at + i, then_at + j, len);
+                        return;
+                    }
+                };
+                span(comp, 0, last_comp, 0, cc);
+                span(keys, cc, last_keys, index_t(last_comp.size()), index_t(memo.size()));
+            }
+            std::vector<float> out[3];
+            for (int i = 0; i < 3; ++i) {
+                mnemo::kv_reuse r = i == 2 ? mnemo::kv_reuse{} : reuse;
+                if (i == 0) r.split = cc;
+                out[i].assign(std::size_t(q * B * Dm), 0.0f);
+                attn[std::size_t(i)].forward(view<const float, Dm>(zkv.data() + (K - q) * B * Dm, q * B),
+                                             view<const float, Dm>(zkv.data(), K * B), B,
+                                             view<float, Dm>(out[i].data(), q * B), r);
+            }
+            splits += q == 1 && !first;
+            last_k = K;
+            CHECK(out[0] == out[1]);
+            for (std::size_t k = 0; k < out[0].size(); ++k) CHECK(out[0][k] == doctest::Approx(out[2][k]).epsilon(1e-4));
+            first = false;
+            last_comp = comp;
+            last_keys = keys;
+            for (auto id : std::vector<std::int64_t>(keys.end() - q, keys.end())) memo.push_back(id);
+            if (step % 3 == 2) {  // compress the three oldest memory slots into a new compressed slot
+                memo.erase(memo.begin(), memo.begin() + 3);
+                comp.push_back(next++);
+                if (index_t(comp.size()) > C) comp.erase(comp.begin());
+            }
+            if (index_t(memo.size()) > M) memo.erase(memo.begin(), memo.begin() + (index_t(memo.size()) - M));
+        }
+        CHECK(splits > 60);
+        // Backward reads the keys from one buffer: after a forward that kept them apart, an error.
+        const std::vector<float> d(std::size_t(B * Dm), 1.0f);
+        std::vector<float> dzq(std::size_t(B * Dm)), dzkv(std::size_t(200 * B * Dm));
+        const index_t K = last_k;  // the last step: one token
+        std::vector<float> zkv(std::size_t(K * B * Dm), 0.5f);
+        CHECK_THROWS_WITH_AS(attn[0].backward(view<const float, Dm>(zkv.data() + (K - 1) * B * Dm, B),
+                                              view<const float, Dm>(zkv.data(), K * B), view<const float, Dm>(d.data(), B),
+                                              view<float, Dm>(dzq.data(), B), view<float, Dm>(dzkv.data(), K * B)),
+                             doctest::Contains("apart"), mnemo::error);
+    }
+}

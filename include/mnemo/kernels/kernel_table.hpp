@@ -34,7 +34,7 @@
 //                 sum_squares_live, scale_live (kernels/optimizer_state.hpp; the global gradient norm),
 //                 pay_deferred_decay (the deferred weight decay of rows nothing read)
 //
-// Besides the kernels, five constants say what a backend does differently (MNEMO_KERNEL_TRAITS, checked
+// Besides the kernels, six constants say what a backend does differently (MNEMO_KERNEL_TRAITS, checked
 // the same way):
 //   absorbs_memory        relative attention may take the absorbed-memory route (nn/attention/relative.hpp)
 //   defers_weight_decay   the decoupled optimizers may defer the decay of cold blocks (core/parameters.hpp)
@@ -47,6 +47,10 @@
 //   plain_attention_scratch  plain_attention_forward may be handed no probabilities buffer (a null
 //                         `a`) where nothing reads them back, and keeps each head's in scratch of its
 //                         own: the attention-reconstruction loss's target attention over the memory
+//   splits_key_rows       relative_attention_forward of one query position reads the keys and values
+//                         of positions [0, kv_split) from kv_lo and the rest from kv
+//                         (relative_attention_state): a generation cache may then slide the
+//                         compressed memory's rows and the memory's apart instead of copying either
 // and one scope (MNEMO_KERNEL_SCOPES), a call that runs the caller's own code:
 //   hold_threads(fn)      fn() with the backend's host threads kept ready for the kernels fn calls
 //                         (the CPU: one OpenMP region held open around fn, kernels/cpu/parallel.hpp;
@@ -75,7 +79,7 @@
     X(adam_step) X(adam_cold_blocks) X(sgd_step) X(sum_squares_live) X(scale_live) X(pay_deferred_decay)
 
 #define MNEMO_KERNEL_TRAITS(X) X(absorbs_memory) X(defers_weight_decay) X(scores_grad_scratch) X(positional_scratch_from) \
-    X(plain_attention_scratch)
+    X(plain_attention_scratch) X(splits_key_rows)
 
 #define MNEMO_KERNEL_SCOPES(X) X(hold_threads)
 

@@ -56,6 +56,11 @@ struct relative_attention_state {
     const T* q = nullptr;      // [Q·B, D] queries, without u
     const T* qu = nullptr;     // [Q·B, D] q + u
     const T* kv = nullptr;     // [K·B, 2D] rows [k, v] (absorbed: only the segment's rows are read)
+    // One query position over projected keys, on a backend with splits_key_rows only: the rows of
+    // positions [0, kv_split) are read from kv_lo instead (row j·B + b at kv_lo + (j·B + b)·2D, as in
+    // kv). 0: every row from kv.
+    const T* kv_lo = nullptr;
+    index_t kv_split = 0;
     const T* r_win = nullptr;  // R's window rows [P − K, P + Q): [W, H·d_k]
     const T* s_win = nullptr;  // S's window rows: [W, H]
     const std::uint8_t* keep = nullptr;      // [B, K], 1 = visible; null: no padding

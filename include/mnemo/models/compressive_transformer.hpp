@@ -1055,6 +1055,9 @@ private:
                                hi = std::min(mf + mc, last_.m_first + last_.m_slots + last_.q);
             if (hi > lo) r.add(cc + index_t(lo - mf), last_.c_slots + index_t(lo - last_.m_first), index_t(hi - lo));
         }
+        // Without gradients no backward reads the keys: the compressed slots' may slide apart from the
+        // memory's (relative_attention::reuse_kv), and neither is copied when the memory compresses.
+        if (!grad_enabled_) r.split = cc;
         return r;
     }
     std::vector<buffer<T, Backend>> xs_;  // layer inputs [Q·B, D]; xs_[L] is the last layer's output

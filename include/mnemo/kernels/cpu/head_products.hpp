@@ -511,17 +511,19 @@ public:
     }
 
     /// o[h·Dk + d] = Σ_{r<n} a[h·lda + r]·y[r·ldy + h·Dk + d], for heads h in [h0, h1) (o's other heads
-    /// are not touched). The rows are summed in order, four at a time into registers.
+    /// are not touched); with `accumulate`, o += the sum. The rows are summed in order, one fused
+    /// multiply-add each, four at a time into registers: rows [0, n) in one call give the bits of rows
+    /// [0, m) and then [m, n) accumulated.
     template <index_t Dk, class T>
     static void heads_weighted_rows(index_t h0, index_t h1, index_t n, const T* a, index_t lda, const T* y, index_t ldy,
-                                    T* o) {
-        heads_weighted_rows_impl<Dk>(Dk, h0, h1, n, a, lda, y, ldy, o);
+                                    T* o, bool accumulate = false) {
+        heads_weighted_rows_impl<Dk>(Dk, h0, h1, n, a, lda, y, ldy, o, accumulate);
     }
     /// The same with a runtime d_k (any): bitwise the compile-time one's results.
     template <class T>
     static void heads_weighted_rows(index_t dk, index_t h0, index_t h1, index_t n, const T* a, index_t lda, const T* y,
-                                    index_t ldy, T* o) {
-        heads_weighted_rows_impl<0>(dk, h0, h1, n, a, lda, y, ldy, o);
+                                    index_t ldy, T* o, bool accumulate = false) {
+        heads_weighted_rows_impl<0>(dk, h0, h1, n, a, lda, y, ldy, o, accumulate);
     }
 
 private:
@@ -649,11 +651,11 @@ private:
 
     template <index_t Dk_, class T>
     static void heads_weighted_rows_impl(index_t dk, index_t h0, index_t h1, index_t n, const T* a, index_t lda,
-                                         const T* y, index_t ldy, T* o) {
+                                         const T* y, index_t ldy, T* o, bool accumulate) {
         using B = simd::batch<T>;
         constexpr index_t W = simd::width<T>;
         const index_t Dk = Dk_ > 0 ? Dk_ : dk, V = Dk / W;
-        std::fill(o + h0 * Dk, o + h1 * Dk, T(0));
+        if (!accumulate) std::fill(o + h0 * Dk, o + h1 * Dk, T(0));
         // o += rows [r, r + R) of every head, in order
         auto add_rows = [&]<index_t R>(index_t r) {
             for (index_t h = h0; h < h1; ++h) {

@@ -48,6 +48,7 @@ struct ops<cpu> : cpu_kernels::gemm,
     // q·R and d_pos per head in the thread's score block from 16 queries on (relative_attention.hpp)
     static constexpr index_t positional_scratch_from = cpu_kernels::relative_attention_core::positional_scratch_from;
     static constexpr bool plain_attention_scratch = true;  // a head's probabilities in its thread's block
+    static constexpr bool splits_key_rows = true;          // one_query_forward (relative_attention.hpp)
 
     /// fn() with the OpenMP threads held for the parallel loops of the kernels it calls (parallel.hpp).
     template <class F>

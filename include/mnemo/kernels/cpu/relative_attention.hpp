@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "parallel.hpp"
+#include "../../core/error.hpp"
 #include "../../core/shape.hpp"
 #include "../relative_attention_state.hpp"
 #include "elementwise.hpp"
@@ -121,8 +122,10 @@ public:
             heads::gemm_nn(index_t(Dk), q_len_, k_len_ - c0, a + c0, k_len_, kv + kv_off + D, ldkv, s.ctx + off, ld, T(0),
                            band);
         };
+        MNEMO_CHECK(s.kv_split == 0 || one_query, "relative_attention_forward: key rows split at position ", s.kv_split,
+                    " are read by the one-query route only (", q_len_, " queries", absorb ? ", absorbed)" : ")");
         if (one_query) {
-            one_query_forward(s.q, s.qu, s.r_win, kv, pos, attn, s.ctx, finish_from_pos);
+            one_query_forward(s.q, s.qu, s.r_win, kv, s.kv_lo, s.kv_split, pos, attn, s.ctx, finish_from_pos);
         } else if (!absorb) {
             // Each head in this thread's score block, then its weights copied to s.attn for backward.
             const index_t block = q_len_ * k_len_;
@@ -361,9 +364,12 @@ private:
     /// value row's part for a thread's heads, d_k·heads/threads floats out of every 2·D (1 KiB of
     /// each 4 KiB of configuration C's cache), which the prefetchers follow poorly (see
     /// one_query_block). The blocks do not depend on the thread count, nor then do the bits.
+    /// The keys and values of positions [0, split) are read from kv_lo, the rest from kv (both with
+    /// position j's rows at j·B·2D): a block across the split reads its rows in two calls, which
+    /// give the bits of one (dot_rows' rows are apart; weighted_rows continues its sums in order).
     template <class Finish>
-    void one_query_forward(const T* q, const T* qu, const T* r_win, const T* kv, T* pos, T* attn, T* ctx,
-                           Finish& finish_scores) {
+    void one_query_forward(const T* q, const T* qu, const T* r_win, const T* kv, const T* kv_lo, index_t split, T* pos,
+                           T* attn, T* ctx, Finish& finish_scores) {
         const index_t w = window(), ldkv = batch_ * 2 * D;
         constexpr index_t block = one_query_block;
         const index_t blocks = (w + block - 1) / block;  // w = K + 1 covers the keys' rows too
@@ -374,8 +380,11 @@ private:
                 const index_t b = i / blocks, r0 = i % blocks * block;
                 // pos[h] [B, W]: row b of head h at h·B·W + b·W; attn [B, H, K]
                 heads::dot_rows(index_t(Dk), H, r0, std::min(r0 + block, w), q + b * D, r_win, D, pos + b * w, batch_ * w);
-                heads::dot_rows(index_t(Dk), H, r0, std::min(r0 + block, k_len_), qu + b * D, kv + b * 2 * D, ldkv,
-                               attn + b * H * k_len_, k_len_);
+                const index_t r1 = std::min(r0 + block, k_len_), mid = std::clamp(split, r0, r1);
+                if (mid > r0)
+                    heads::dot_rows(index_t(Dk), H, r0, mid, qu + b * D, kv_lo + b * 2 * D, ldkv, attn + b * H * k_len_, k_len_);
+                if (r1 > mid)
+                    heads::dot_rows(index_t(Dk), H, mid, r1, qu + b * D, kv + b * 2 * D, ldkv, attn + b * H * k_len_, k_len_);
             }
         };
         const auto finish = [&](index_t i0, index_t i1) {
@@ -383,9 +392,15 @@ private:
         };
         const auto mix = [&](index_t i0, index_t i1) {  // parts[b, blk] = Σ_{rows of blk} a·v, every head
             for (index_t i = i0; i < i1; ++i) {
-                const index_t b = i / key_blocks, r0 = i % key_blocks * block;
-                heads::weighted_rows(index_t(Dk), 0, H, std::min(block, k_len_ - r0), attn + b * H * k_len_ + r0, k_len_,
-                                     kv + r0 * ldkv + b * 2 * D + D, ldkv, parts + i * D);
+                const index_t b = i / key_blocks, r0 = i % key_blocks * block, r1 = std::min(r0 + block, k_len_);
+                const index_t mid = std::clamp(split, r0, r1);
+                const T* a = attn + b * H * k_len_;
+                if (mid > r0)
+                    heads::weighted_rows(index_t(Dk), 0, H, mid - r0, a + r0, k_len_, kv_lo + r0 * ldkv + b * 2 * D + D, ldkv,
+                                         parts + i * D);
+                if (r1 > mid)
+                    heads::weighted_rows(index_t(Dk), 0, H, r1 - mid, a + mid, k_len_, kv + mid * ldkv + b * 2 * D + D, ldkv,
+                                         parts + i * D, mid > r0);
             }
         };
         const auto combine = [&](index_t i0, index_t i1) {  // ctx[b, head h] = Σ_blk parts[b, blk, head h]

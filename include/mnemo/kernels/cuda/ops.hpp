@@ -39,6 +39,7 @@ struct ops<cuda> {
     static constexpr bool scores_grad_scratch = false;
     static constexpr index_t positional_scratch_from = no_positional_scratch;
     static constexpr bool plain_attention_scratch = false;
+    static constexpr bool splits_key_rows = false;
     /// No host threads to hold: fn().
     template <class F>
     static decltype(auto) hold_threads(F&& fn) {

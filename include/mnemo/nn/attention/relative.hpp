@@ -79,6 +79,10 @@ struct kv_reuse {
     };
     span spans[2];
     index_t n = 0;
+    /// Positions [0, split) (the compressed memory) may be kept apart from the rest, each part
+    /// sliding on its own, by a forward of one query position on a backend with splits_key_rows: its
+    /// keys are then not where backward reads them, so a caller sets it only when no backward follows.
+    index_t split = 0;
     void add(index_t dst, index_t src, index_t len) {
         if (len > 0 && n < 2) spans[n++] = {dst, src, len};
     }
@@ -224,7 +228,7 @@ public:
         } else {
             query_.forward(zq, q);
         }
-        if (!reuse.n) kv_base_ = 0;
+        if (!reuse.n) kv_base_ = 0, kv_split_ = 0;
         T* kv = reuse.n ? reuse_kv(reuse, zkv.data(), zkv.ld()) : kv_.ensure(kb * 2 * D);  // row r: [k_r, v_r]
         if (!reuse.n) {
             // Absorbed: only the segment's keys and values are projected (rows from mem·B on).
@@ -288,6 +292,8 @@ public:
         MNEMO_CHECK(frozen.rows >= 0 && frozen.rows <= kb - qb, "relative_attention '", name_, "': ", frozen.rows,
                     " frozen key rows, but only ", kb - qb, " rows precede the queries");
         const view<T, d_model, Backend> q(q_.data(), qb, D), qu(qu_.data(), qb, D), ctx(ctx_.data(), qb, D);
+        MNEMO_CHECK(kv_split_ == 0, "relative_attention '", name_, "': backward after a forward that kept the first ",
+                    kv_split_, " key positions apart (kv_reuse::split, for generation without gradients)");
         const T* kv = kv_.data() + kv_base_ * batch_ * 2 * D;
         T* dkv = dkv_.ensure(kb * 2 * D);  // row r: [dk_r, dv_r]
         view<T, d_model, Backend> d_ctx(d_ctx_.ensure(qb * D), qb, D), dqu(dqu_.ensure(qb * D), qb, D),
@@ -423,6 +429,10 @@ private:
         st.q = q;
         st.qu = qu;
         st.kv = kv;
+        if (kv_split_ > 0) {
+            st.kv_lo = kv_lo_.data() + kv_lo_base_ * batch_ * 2 * D;
+            st.kv_split = kv_split_;
+        }
         const index_t w = window();
         r_.pay_rows(n_pos_ - k_len_, n_pos_ - k_len_ + w);  // (deferred decay: parameters.hpp)
         s_.pay_rows(n_pos_ - k_len_, n_pos_ - k_len_ + w);
@@ -434,26 +444,21 @@ private:
     }
 
     /// kv for this call from the last call's (spans of `reuse`) and fresh projections of the rest. The
-    /// reused rows are moved within the one buffer, and only when their position changed (a token
-    /// that compresses nothing moves none): spans moving to lower positions go first, lowest first,
-    /// then those moving up, highest first, so no span overwrites rows another has yet to read.
-    /// The keys and values of the last forward are kept in a window of positions [kv_base_,
-    /// kv_base_ + K) of a buffer with as much slack again: the longest span that moves to lower
-    /// positions (the compressed memory when a slot is dropped, a token's memory otherwise) moves
-    /// the window instead of its rows, and only the other spans are copied. The live rows go back
-    /// to the front when the window would run past the end. (Moving every row by a position was 5%
-    /// of configuration A's generated token.)
+    /// keys and values of the last forward are kept in a window of positions [kv_base_, kv_base_ + K)
+    /// of a buffer with as much slack again: the longest span that moves to lower positions (a
+    /// token's memory) moves the window instead of its rows, and only the other spans are copied
+    /// (moving every row by a position was 5% of configuration A's generated token). The live rows go
+    /// back to the front when the window would run past the end. With reuse.split (one query
+    /// position, a backend with splits_key_rows), positions [0, split) live in a second buffer,
+    /// kv_lo_, in a window of their own: the compressed memory and the memory then both slide and
+    /// neither is copied (every rate-th token moved one of them, a 1 MiB copy a layer in
+    /// configuration C). Returns the window of kv_: position p's rows at kv + p·B·2D for p ≥ split.
     T* reuse_kv(const kv_reuse& reuse, const T* z, index_t ldz) {
         MNEMO_CHECK(last_batch_ == batch_, "relative_attention '", name_, "': key/value reuse across batch sizes (",
                     last_batch_, " then ", batch_, ")");
         MNEMO_CHECK(!absorbed_, "relative_attention '", name_, "': key/value reuse after a forward that did not project "
                     "the memory's keys (absorbed); call keep_projections(true) before that forward");
         const index_t row = batch_ * 2 * D;  // elements per position
-        // Room for two windows; growing keeps the last call's rows where they are (they end at
-        // kv_base_ + last_k_len_, inside the buffer as it was).
-        const index_t most = std::max(k_len_, last_k_len_);
-        T* buf = kv_.ensure(std::max(2 * most, kv_base_ + last_k_len_) * row);
-        const index_t cap = kv_.capacity() / row;
         const kv_reuse order = reuse.sorted();
         const index_t n = order.n;
         for (index_t i = 0; i < n; ++i) {
@@ -464,29 +469,90 @@ private:
         }
         MNEMO_CHECK(n < 2 || order.spans[0].dst + order.spans[0].len <= order.spans[1].dst, "relative_attention '",
                     name_, "': key/value reuse spans overlap");
-        index_t shift = 0, longest = 0;
-        for (index_t i = 0; i < n; ++i) {
-            const auto& sp = order.spans[i];
-            if (sp.src > sp.dst && sp.len > longest) shift = sp.src - sp.dst, longest = sp.len;
-        }
-        const index_t old_base = kv_base_;
-        index_t base = old_base + shift;
-        if (base + k_len_ > cap) base = 0;  // back to the front
-        // Span i's rows go from buffer position old_base + src to base + dst: those moving down
-        // first, in order, then those moving up, in reverse order, so no source is overwritten.
-        auto move = [&](const kv_reuse::span& sp) {
-            const index_t from = old_base + sp.src, to = base + sp.dst;
-            if (from != to && sp.len > 0)
-                device_memory<Backend>::copy(buf + to * row, buf + from * row, sizeof(T) * std::size_t(sp.len * row));
+        MNEMO_CHECK(reuse.split >= 0, "relative_attention '", name_, "': key/value reuse split ", reuse.split, " < 0");
+        // The spans cut where a position's buffer changes: at the last call's split (sources) and this
+        // call's (destinations). A piece goes within kv_lo_, within kv_, or from one to the other.
+        const index_t old_split = kv_split_;
+        struct piece {
+            index_t dst, src, len;
+            bool from_lo, to_lo;
         };
-        for (index_t i = 0; i < n; ++i)
-            if (base + order.spans[i].dst < old_base + order.spans[i].src) move(order.spans[i]);
-        for (index_t i = n - 1; i >= 0; --i)
-            if (base + order.spans[i].dst > old_base + order.spans[i].src) move(order.spans[i]);
-        kv_base_ = base;
-        T* kv = buf + base * row;
+        piece pieces[6];
+        index_t np = 0, split = 0;
+        auto cut = [&](index_t new_split) {
+            np = 0;
+            for (index_t i = 0; i < n; ++i) {
+                const auto& sp = order.spans[i];
+                for (index_t at = 0; at < sp.len;) {
+                    const index_t d = sp.dst + at, s = sp.src + at;
+                    index_t end = sp.len;
+                    if (d < new_split) end = std::min(end, new_split - sp.dst);
+                    if (s < old_split) end = std::min(end, old_split - sp.src);
+                    pieces[np++] = {d, s, end - at, s < old_split, d < new_split};
+                    at = end;
+                }
+            }
+        };
+        const bool can_split = kernels::splits_key_rows && q_len_ == 1 && reuse.split > 0 && reuse.split < k_len_;
+        cut(can_split ? reuse.split : 0);
+        bool crosses = false;
+        for (index_t i = 0; i < np; ++i) crosses |= pieces[i].from_lo != pieces[i].to_lo;
+        if (can_split && !(crosses && old_split > 0)) split = reuse.split;
+        else cut(0);  // (rows between the two buffers only to or from one buffer's layout: see the moves below)
+        // Each window's new base: the longest piece within it that moves to lower positions stays put.
+        auto slide = [&](bool lo, index_t base, index_t end, index_t cap) {
+            index_t shift = 0, longest = 0;
+            for (index_t i = 0; i < np; ++i) {
+                const piece& p = pieces[i];
+                if (p.from_lo == lo && p.to_lo == lo && p.src > p.dst && p.len > longest) shift = p.src - p.dst, longest = p.len;
+            }
+            base += shift;
+            return base + end > cap ? index_t(0) : base;  // back to the front
+        };
+        // Room for two windows; growing keeps the last call's rows where they are.
+        const index_t most = std::max(k_len_, last_k_len_);
+        T* hi = kv_.ensure(std::max(2 * most, kv_base_ + last_k_len_) * row);
+        T* lo = nullptr;
+        if (split > 0 || old_split > 0) {
+            const index_t lo_most = std::max(split, old_split);
+            lo = kv_lo_.ensure(std::max(2 * lo_most, kv_lo_base_ + old_split) * row);
+        }
+        const index_t hi_base = slide(false, kv_base_, k_len_, kv_.capacity() / row);
+        const index_t lo_base = split > 0 ? slide(true, kv_lo_base_, split, kv_lo_.capacity() / row) : 0;
+        // Piece p's rows go from the last call's place of position src to this call's of dst.
+        auto from = [&](const piece& p) { return (p.from_lo ? lo + (kv_lo_base_ + p.src) * row : hi + (kv_base_ + p.src) * row); };
+        auto to = [&](const piece& p) { return (p.to_lo ? lo + (lo_base + p.dst) * row : hi + (hi_base + p.dst) * row); };
+        auto move = [&](const piece& p) {
+            if (from(p) != to(p) && p.len > 0) device_memory<Backend>::copy(to(p), from(p), sizeof(T) * std::size_t(p.len * row));
+        };
+        // Within one buffer, those moving down first, in order, then those moving up, in reverse order,
+        // so no source is overwritten. Between the buffers (only when one side has no moves of its
+        // own: splitting a one-buffer layout, or joining a split one): from kv_ before kv_'s moves,
+        // into kv_ after them.
+        auto moves_within = [&](bool in_lo) {
+            for (index_t i = 0; i < np; ++i)
+                if (pieces[i].from_lo == in_lo && pieces[i].to_lo == in_lo && to(pieces[i]) < from(pieces[i])) move(pieces[i]);
+            for (index_t i = np - 1; i >= 0; --i)
+                if (pieces[i].from_lo == in_lo && pieces[i].to_lo == in_lo && to(pieces[i]) > from(pieces[i])) move(pieces[i]);
+        };
+        for (index_t i = 0; i < np; ++i)
+            if (!pieces[i].from_lo && pieces[i].to_lo) move(pieces[i]);
+        moves_within(true);
+        moves_within(false);
+        for (index_t i = 0; i < np; ++i)
+            if (pieces[i].from_lo && !pieces[i].to_lo) move(pieces[i]);
+        kv_base_ = hi_base;
+        kv_lo_base_ = lo_base;
+        kv_split_ = split;
+        T* kv = hi + hi_base * row;
+        T* kv_lo = split > 0 ? lo + lo_base * row : nullptr;
         order.for_each_gap(k_len_, [&](index_t p0, index_t p1) {  // project the positions outside the spans
-            project_kv((p1 - p0) * batch_, z + p0 * batch_ * ldz, ldz, kv + p0 * row);
+            if (p0 < split) {
+                const index_t e = std::min(p1, split);
+                project_kv((e - p0) * batch_, z + p0 * batch_ * ldz, ldz, kv_lo + p0 * row);
+                p0 = e;
+            }
+            if (p1 > p0) project_kv((p1 - p0) * batch_, z + p0 * batch_ * ldz, ldz, kv + p0 * row);
         });
         return kv;
     }
@@ -555,6 +621,10 @@ private:
     buffer<T, Backend> qkv_;
     const T* fused_rows_ = nullptr;
     index_t kv_base_ = 0;  // kv_'s first position (reuse_kv slides it)
+    // With kv_split_ > 0 (reuse_kv), positions [0, kv_split_) of the last forward are kept in kv_lo_
+    // from its row kv_lo_base_ on, and kv_ holds the rest.
+    buffer<T, Backend> kv_lo_;
+    index_t kv_split_ = 0, kv_lo_base_ = 0;
     // Scratch: positional scores / their gradient [H, Q·B, W]; backward's gradients.
     buffer<T, Backend> pos_, d_ctx_, dqu_, dq_, dkv_, d_scores_, col_sums_, frozen_g_, frozen_c_;
     // Absorbed memory: saved q̃ (q_absorbed_), U (mem_mix_, without hat_) or Û (mem_mix_hat_, with hat_) [H·Q, B, D] and
