@@ -497,8 +497,10 @@ private:
         cut(can_split ? reuse.split : 0);
         bool crosses = false;
         for (index_t i = 0; i < np; ++i) crosses |= pieces[i].from_lo != pieces[i].to_lo;
+        // Rows cross between the buffers only when a one-buffer layout splits or a split one joins (the
+        // moves below are ordered for those two cases); a split layout whose spans would cross joins.
         if (can_split && !(crosses && old_split > 0)) split = reuse.split;
-        else cut(0);  // (rows between the two buffers only to or from one buffer's layout: see the moves below)
+        else cut(0);
         // Each window's new base: the longest piece within it that moves to lower positions stays put.
         auto slide = [&](bool lo, index_t base, index_t end, index_t cap) {
             index_t shift = 0, longest = 0;
