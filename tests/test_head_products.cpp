@@ -119,8 +119,8 @@ TEST_CASE("head products: nt, nn and tn against a double reference across the di
 
 namespace {
 
-// heads_dot_rows and heads_weighted_rows (one query row, every head in one pass over the rows) against
-// a double reference: rows [r0, r1) that start and end off the SIMD width, a run of heads [h0, h1),
+// heads_dot_rows, heads_weighted_rows, heads_row_dots and heads_rescale_add (one query row, every head
+// in one pass over the rows) against a double reference: rows [r0, r1) that start and end off the SIMD width, a run of heads [h0, h1),
 // d_k shorter than a SIMD vector, a whole number of them, and one with a scalar tail; rows strided
 // wider than the heads, outputs outside the range left untouched.
 // |got − Σ_{i<n} term(i)| relative to Σ |term(i)|, the sum in double.
@@ -169,6 +169,62 @@ void check_heads(std::uint64_t seed, index_t heads = 3) {
         CHECK(untouched);
         CHECK(std::memcmp(one.data(), s.data(), sizeof(T) * s.size()) == 0);
     }
+    // heads_row_dots: one row's pairs (a window row's first when there is one, then a key row's), each
+    // heads_dot_rows' sum (bitwise where d_k is whole vectors; its scalar tail is the same loop, which
+    // the compiler may contract differently inlined elsewhere), every heads count on the compile-time
+    // groups (those that divide the SIMD width or that it divides) or pair by pair.
+    for (const bool with_r : {true, false}) {
+        const index_t kr = 7, rr = 30, off = with_r ? heads : 0;
+        const auto x2 = mnemo::testing::random_vector<T>(heads * Dk, seed + 3);
+        std::vector<T> got(std::size_t(2 * heads + 1), sentinel), ks(std::size_t(heads * (rows + 2))),
+            rs(ks.size());
+        K::heads_row_dots<Dk>(heads, x.data(), y.data() + kr * ldy, x2.data(), with_r ? y.data() + rr * ldy : nullptr,
+                              got.data());
+        K::heads_dot_rows<Dk>(heads, kr, kr + 1, x.data(), y.data(), ldy, ks.data(), rows + 2);
+        K::heads_dot_rows<Dk>(heads, rr, rr + 1, x2.data(), y.data(), ldy, rs.data(), rows + 2);
+        double worst = 0;
+        bool same = true;
+        for (index_t h = 0; h < heads; ++h) {
+            const T k_dot = got[std::size_t(off + h)];
+            worst = std::max(worst, relative_error(k_dot, Dk, [&](index_t d) {
+                return double(x[std::size_t(h * Dk + d)]) * double(y[std::size_t(kr * ldy + h * Dk + d)]);
+            }));
+            same = same && k_dot == ks[std::size_t(h * (rows + 2) + kr)];
+            if (!with_r) continue;
+            const T r_dot = got[std::size_t(h)];
+            worst = std::max(worst, relative_error(r_dot, Dk, [&](index_t d) {
+                return double(x2[std::size_t(h * Dk + d)]) * double(y[std::size_t(rr * ldy + h * Dk + d)]);
+            }));
+            same = same && r_dot == rs[std::size_t(h * (rows + 2) + rr)];
+        }
+        INFO("row dots: d_k " << Dk << " heads " << heads << (with_r ? " with" : " without") << " a second row");
+        CHECK(worst < tol);
+        if (Dk % mnemo::simd::width<T> == 0) CHECK(same);
+        CHECK(got[std::size_t(off + heads)] == sentinel);
+    }
+    // heads_rescale_add: o·c + e·v by head, heads with c = 1 (not multiplied) among the others.
+    {
+        const index_t vr = 11;
+        auto o = mnemo::testing::random_vector<T>(heads * Dk + 1, seed + 4);
+        o.back() = sentinel;
+        const auto o0 = o;
+        std::vector<T> c(static_cast<std::size_t>(heads)), e(c.size());
+        for (index_t h = 0; h < heads; ++h) {
+            c[std::size_t(h)] = h % 2 ? T(1) : T(0.25) + T(0.125) * T(h);
+            e[std::size_t(h)] = T(0.5) + T(0.0625) * T(h);
+        }
+        K::heads_rescale_add<Dk>(heads, c.data(), e.data(), y.data() + vr * ldy, o.data());
+        double worst = 0;
+        for (index_t h = 0; h < heads; ++h)
+            for (index_t d = 0; d < Dk; ++d) {
+                const std::size_t i = std::size_t(h * Dk + d);
+                const double ref = double(o0[i]) * double(c[std::size_t(h)]) + double(e[std::size_t(h)]) * double(y[std::size_t(vr * ldy) + i]);
+                worst = std::max(worst, std::fabs(double(o[i]) - ref) / (std::fabs(ref) + 1.0));
+            }
+        INFO("rescale add: d_k " << Dk << " heads " << heads);
+        CHECK(worst < tol);
+        CHECK(o.back() == sentinel);
+    }
     const index_t lda = rows + 3;
     const auto a = mnemo::testing::random_vector<T>(heads * lda, seed + 2);
     for (index_t n : {1, 3, 4, 5, 8, 45})
@@ -198,7 +254,7 @@ void check_heads(std::uint64_t seed, index_t heads = 3) {
 
 }  // namespace
 
-TEST_CASE("heads_dot_rows and heads_weighted_rows against a double reference") {
+TEST_CASE("heads_dot_rows, heads_weighted_rows, heads_row_dots and heads_rescale_add against a double reference") {
     std::uint64_t seed = 900;
     check_heads<float, 4>(seed += 10);
     check_heads<float, 8>(seed += 10);
@@ -268,6 +324,16 @@ void check_runtime_width(std::uint64_t seed) {
         for (std::size_t i = 0; i < s1.size(); ++i)
             worst = std::max(worst, std::fabs(double(s1[i]) - double(s2[i])) / (std::fabs(double(s1[i])) + 1e-3));
         CHECK(worst < (sizeof(T) == 4 ? 1e-5 : 1e-13));
+    }
+    {
+        std::vector<T> r1(std::size_t(2 * heads)), r2(r1.size());
+        K::heads_row_dots<Dk>(heads, x.data(), y.data() + 9 * ld, x.data(), y.data() + 20 * ld, r1.data());
+        K::heads_row_dots(Dk, heads, x.data(), y.data() + 9 * ld, x.data(), y.data() + 20 * ld, r2.data());
+        if (Dk % mnemo::simd::width<T> == 0) CHECK(bitwise_equal(r1, r2));
+        std::vector<T> c{T(1), T(0.5), T(0.75)}, e{T(0.25), T(1), T(0.125)}, p1(std::size_t(heads * Dk), T(2)), p2 = p1;
+        K::heads_rescale_add<Dk>(heads, c.data(), e.data(), y.data() + 5 * ld, p1.data());
+        K::heads_rescale_add(Dk, heads, c.data(), e.data(), y.data() + 5 * ld, p2.data());
+        CHECK(bitwise_equal(p1, p2));
     }
     std::vector<T> o1(std::size_t(heads * Dk)), o2(o1.size());
     K::heads_weighted_rows<Dk>(0, heads, 45, a.data(), lda, y.data(), ld, o1.data());

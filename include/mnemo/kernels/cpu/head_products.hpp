@@ -526,7 +526,130 @@ public:
         heads_weighted_rows_impl<0>(dk, h0, h1, n, a, lda, y, ldy, o, accumulate);
     }
 
+    /// One key row's scores, every head, with those of a second row: s[h] = Σ_{d<Dk} y[h·Dk + d]·
+    /// r[h·Dk + d] for h < heads when r is not null, and then (from s[heads] on with r, from s[0]
+    /// without) the heads' Σ_d x[h·Dk + d]·k[h·Dk + d]. The pairs go W at a time in that order (r's
+    /// row is read first), each the chain of FMAs and the reduction tree of heads_dot_rows.
+    template <index_t Dk, class T>
+    static void heads_row_dots(index_t heads, const T* x, const T* k, const T* y, const T* r, T* s) {
+        heads_row_dots_impl<Dk>(Dk, heads, x, k, y, r, s);
+    }
+    template <class T>
+    static void heads_row_dots(index_t dk, index_t heads, const T* x, const T* k, const T* y, const T* r, T* s) {
+        heads_row_dots_impl<0>(dk, heads, x, k, y, r, s);
+    }
+
+    /// An online softmax's step over one value row, every head: o[h·Dk + d] = o[h·Dk + d]·c[h] +
+    /// e[h]·v[h·Dk + d] for h < heads (a head with c[h] = 1 is not multiplied, which leaves its bits
+    /// alone).
+    template <index_t Dk, class T>
+    static void heads_rescale_add(index_t heads, const T* c, const T* e, const T* v, T* o) {
+        heads_rescale_add_impl<Dk>(Dk, heads, c, e, v, o);
+    }
+    template <class T>
+    static void heads_rescale_add(index_t dk, index_t heads, const T* c, const T* e, const T* v, T* o) {
+        heads_rescale_add_impl<0>(dk, heads, c, e, v, o);
+    }
+
 private:
+    template <index_t Dk_, class T>
+    static void heads_row_dots_impl(index_t dk, index_t heads, const T* x, const T* k, const T* y, const T* r, T* s) {
+        constexpr index_t W = simd::width<T>;
+        const index_t Dk = Dk_ > 0 ? Dk_ : dk, V = Dk / W, nr = r ? heads : 0, pairs = heads + nr;
+        // With d_k and the heads count compile-time constants (a count that divides W or that W
+        // divides, d_k whole vectors), a group's pointers are too: its sums stay in registers.
+        if constexpr (Dk_ > 0 && Dk_ % W == 0) {
+            if (row_dots_fixed<Dk_, 1, 2, 4, 8, 16, 32>(heads, x, k, y, r, s)) return;
+        }
+        // pair p: r's head p for p < nr, then k's head p − nr (both rows' chunks are consecutive)
+        for (index_t p0 = 0; p0 < pairs; p0 += W) {
+            const index_t n = std::min(W, pairs - p0);
+            alignas(64) T sums[W] = {};
+            if (V > 0)
+                group_sums<Dk_>(V, n, [&](index_t i, const T*& xi, const T*& yi) {
+                    const index_t p = p0 + i;
+                    if (p < nr) xi = y + p * Dk, yi = r + p * Dk;
+                    else xi = x + (p - nr) * Dk, yi = k + (p - nr) * Dk;
+                }, sums);
+            for (index_t i = 0; i < n; ++i) s[p0 + i] = sums[i];
+        }
+        if (V * W == Dk) return;
+        for (index_t p = 0; p < pairs; ++p) {  // the scalar tails (d_k not a whole number of vectors)
+            const T *xi = p < nr ? y + p * Dk : x + (p - nr) * Dk, *yi = p < nr ? r + p * Dk : k + (p - nr) * Dk;
+            T t = s[p];
+            for (index_t d = V * W; d < Dk; ++d) t += xi[d] * yi[d];
+            s[p] = t;
+        }
+    }
+    /// heads_row_dots for the first of Hc, More... that equals heads; false if none does (or it
+    /// neither divides W nor is a multiple of it).
+    template <index_t Dk_, index_t Hc, index_t... More, class T>
+    static bool row_dots_fixed(index_t heads, const T* x, const T* k, const T* y, const T* r, T* s) {
+        constexpr index_t W = simd::width<T>;
+        if constexpr (W % Hc == 0 || Hc % W == 0) {
+            if (heads == Hc) {
+                if (r) row_dots_groups<Dk_, Hc, true>(x, k, y, r, s);
+                else row_dots_groups<Dk_, Hc, false>(x, k, y, r, s);
+                return true;
+            }
+        }
+        if constexpr (sizeof...(More) > 0) return row_dots_fixed<Dk_, More...>(heads, x, k, y, r, s);
+        else return false;
+    }
+    template <index_t Dk_, index_t Hc, bool WithR, class T>
+    static void row_dots_groups(const T* x, const T* k, const T* y, const T* r, T* s) {
+        using B = simd::batch<T>;
+        constexpr index_t W = simd::width<T>, CV = Dk_ / W, pairs = WithR ? 2 * Hc : Hc;
+        // Pairs [p0, p0 + W) while a whole group remains; a group of fewer than W (pairs < W) last.
+        for (index_t p0 = 0; p0 < pairs; p0 += W) {
+            constexpr index_t n0 = pairs < W ? pairs : W;
+            B acc[W];
+#pragma GCC unroll 32
+            for (index_t i = 0; i < W; ++i) {
+                if (i >= n0) {
+                    acc[i] = simd::splat(T(0));
+                    continue;
+                }
+                const index_t p = p0 + i;
+                const bool in_r = WithR && p < Hc;
+                const T* xi = in_r ? y + p * Dk_ : x + (p - (WithR ? Hc : 0)) * Dk_;
+                const T* yi = in_r ? r + p * Dk_ : k + (p - (WithR ? Hc : 0)) * Dk_;
+                B a = simd::load(xi) * simd::load(yi);
+#pragma GCC unroll 16
+                for (index_t v = 1; v < CV; ++v) a = simd::fma(simd::load(xi + v * W), simd::load(yi + v * W), a);
+                acc[i] = a;
+            }
+            if constexpr (pairs >= W) {
+                simd::transpose_add(acc).store_unaligned(s + p0);
+            } else {
+                alignas(64) T sums[W];
+                simd::transpose_add(acc).store_aligned(sums);
+                for (index_t i = 0; i < pairs; ++i) s[i] = sums[i];
+            }
+        }
+    }
+
+    template <index_t Dk_, class T>
+    static void heads_rescale_add_impl(index_t dk, index_t heads, const T* c, const T* e, const T* v, T* o) {
+        using B = simd::batch<T>;
+        constexpr index_t W = simd::width<T>;
+        const index_t Dk = Dk_ > 0 ? Dk_ : dk, V = Dk / W;
+        for (index_t h = 0; h < heads; ++h) {
+            const T* vh = v + h * Dk;
+            T* oh = o + h * Dk;
+            const B ve = simd::splat(e[h]);
+            if (c[h] == T(1)) {
+                for (index_t i = 0; i < V; ++i) simd::store(oh + i * W, simd::fma(ve, simd::load(vh + i * W), simd::load(oh + i * W)));
+                for (index_t d = V * W; d < Dk; ++d) oh[d] = std::fma(e[h], vh[d], oh[d]);
+            } else {
+                const B vc = simd::splat(c[h]);
+                for (index_t i = 0; i < V; ++i)
+                    simd::store(oh + i * W, simd::fma(ve, simd::load(vh + i * W), simd::load(oh + i * W) * vc));
+                for (index_t d = V * W; d < Dk; ++d) oh[d] = std::fma(e[h], vh[d], oh[d] * c[h]);
+            }
+        }
+    }
+
     // heads_dot_rows reads y front to back: the (row, head) pairs in memory order, W (the SIMD width)
     // at a time, a row's heads one after another and then the next row's, one stream when ldy =
     // heads·d_k, the keys of a [keys | values] cache row otherwise. The older order, head by head over
@@ -713,6 +836,8 @@ struct heads_for {
     MNEMO_HEADS_FOR(gemm_tn, head_gemm_tn)
     MNEMO_HEADS_FOR(dot_rows, heads_dot_rows)
     MNEMO_HEADS_FOR(weighted_rows, heads_weighted_rows)
+    MNEMO_HEADS_FOR(row_dots, heads_row_dots)
+    MNEMO_HEADS_FOR(rescale_add, heads_rescale_add)
 #undef MNEMO_HEADS_FOR
 };
 
