@@ -103,9 +103,23 @@ std::function<double()> loss_and_gradients(Attn& attn, mnemo::parameter_set<doub
 
 constexpr mnemo::memory_attention modes[] = {mnemo::memory_attention::projected, mnemo::memory_attention::absorbed};
 
+// One query position over projected keys takes one of two CPU routes by the size of its rows (two
+// passes from the caches, one online pass from DRAM): tests that reach it run both, forced.
+using route = mnemo::cpu_kernels::one_query_route;
+constexpr route one_query_routes[] = {route::two_pass, route::online};
+struct forced_route {
+    explicit forced_route(route r) { mnemo::cpu_kernels::one_query_override = r; }
+    ~forced_route() { mnemo::cpu_kernels::one_query_override = route::automatic; }
+    forced_route(const forced_route&) = delete;
+    forced_route& operator=(const forced_route&) = delete;
+};
+const char* route_name(route r) { return r == route::online ? "online" : "two passes"; }
+
 TEST_CASE("relative_attention: forward matches the defining formula, with and without memory") {
+    for (route rt : one_query_routes)
     for (auto mode : modes)
     for (index_t mem : {0, 1, 4}) {
+        const forced_route forced(rt);
         for (index_t B : {1, 3})
         for (index_t Q : {1, 3}) {  // Q = 1 over projected keys: one_query_forward (a generated token)
             const index_t Kn = mem + Q, P = 8;
@@ -120,7 +134,8 @@ TEST_CASE("relative_attention: forward matches the defining formula, with and wi
             attn.forward(view<const double, D>(zq.data(), Q * B), view<const double, D>(zkv.data(), Kn * B), B,
                          view<double, D>(out.data(), Q * B));
             auto ref = naive(ps, "self_attn", zq, zkv, Q, Kn, B, P);
-            INFO("mem=" << mem << " batch=" << B << " Q=" << Q << " absorbed=" << (mode == mnemo::memory_attention::absorbed));
+            INFO("mem=" << mem << " batch=" << B << " Q=" << Q << " absorbed=" << (mode == mnemo::memory_attention::absorbed)
+                        << " one-query route: " << route_name(rt));
             CHECK(attn.last_forward_absorbed() == (mem > 0 && mode == mnemo::memory_attention::absorbed));
             check_close("relative_attention out", out, ref, 1e-13, 1e-12);
         }
@@ -143,9 +158,11 @@ TEST_CASE("relative_attention: state_dict names and shapes are the reference's")
 }
 
 TEST_CASE("relative_attention: backward matches finite differences") {
+  for (route rt : one_query_routes)
   for (auto mode : modes)
   for (index_t Q : {1, 3}) {
-    INFO("absorbed=" << (mode == mnemo::memory_attention::absorbed) << " Q=" << Q);
+    const forced_route forced(rt);
+    INFO("absorbed=" << (mode == mnemo::memory_attention::absorbed) << " Q=" << Q << " one-query route: " << route_name(rt));
     const index_t mem = 2, Kn = mem + Q, B = 2, P = 6;
     mnemo::parameter_set<double> ps;
     mnemo::relative_attention<double, cfg> attn(ps, "self_attn", P);
@@ -354,8 +371,10 @@ TEST_CASE("relative_attention: one query position gives the same bits on 1, 2 an
     using big = mnemo::config<128, 4>;  // d_k 32; 4 heads × 601 keys × 32: past one_query_worth_threads()
     constexpr index_t Db = 128;
     const index_t mem = 600, P = 1024;
+    for (route rt : one_query_routes)
     for (index_t B : {1, 3}) {
-        INFO("batch " << B);
+        const forced_route forced(rt);
+        INFO("batch " << B << ", one-query route: " << route_name(rt));
         mnemo::parameter_set<float> ps;
         mnemo::relative_attention<float, big> attn(ps, "self_attn", P);
         ps.allocate();
@@ -383,19 +402,24 @@ TEST_CASE("relative_attention: one query position gives the same bits on 1, 2 an
     }
 }
 
-// One query position reads each key's window row and [k, v] row once, the softmax online by blocks
-// of keys: with key padding (element 1 loses keys in every block and the whole first block, element
-// 2 every key) and clamp_len (the first 110 keys all take the clamped distance), the context and the
-// attention weights against the per-head route's last query (two query positions over the same
-// keys), and the same bits on 1, 2 and 3 threads. Large scores (parameters ×4) make the running
-// maxima rise inside blocks, which rescales their partial sums.
+// One query position over projected keys, both routes (the online one reads each key's window row
+// and [k, v] row once, its softmax online by blocks of 64 keys): with key padding (element 1 loses
+// keys in every block and the whole first block, element 2 every key) and clamp_len (the keys past
+// 25 positions take the clamped distance), the context and the attention weights against the
+// per-head route's last query (two query positions over the same keys), and the same bits on 1, 2
+// and 3 threads. Large scores (parameters ×4) make the running maxima rise inside blocks, which
+// rescales the online route's partial sums.
 TEST_CASE("relative_attention: one query position with key padding and clamp_len matches the per-head route") {
     using big = mnemo::config<128, 4>;  // d_k 32
     constexpr index_t Db = 128, Hb = 4;
-    const index_t mem = 149, Kn = mem + 2, B = 3, P = 256;
+    const index_t B = 3, P = 256;
+    for (route rt : one_query_routes)
+    for (index_t mem : {40, 149})
     for (float range : {0.3f, 1.2f})
-    for (index_t clamp : {0, 40}) {
-        INFO("clamp_len " << clamp << ", parameters in ±" << range);
+    for (index_t clamp : {0, 25}) {
+        const forced_route forced(rt);
+        const index_t Kn = mem + 2;
+        INFO("mem " << mem << ", clamp_len " << clamp << ", parameters in ±" << range << ", one-query route: " << route_name(rt));
         mnemo::parameter_set<float> ps;
         mnemo::relative_attention<float, big> attn(ps, "self_attn", P);
         ps.allocate();
@@ -405,7 +429,7 @@ TEST_CASE("relative_attention: one query position with key padding and clamp_len
         auto zkv = random_vector<float>(Kn * B * Db, 92);
         std::vector<std::uint8_t> pad(std::size_t(Kn * B), 0);
         for (index_t j = 0; j < Kn; ++j) {
-            pad[j * B + 1] = j < 64 || j % 5 == 2;  // element 1: the first block and a fifth of the rest
+            pad[j * B + 1] = j < (Kn > 64 ? 64 : 10) || j % 5 == 2;  // element 1: the first block (or 10) and a fifth
             pad[j * B + 2] = 1;                      // element 2: every key
         }
         attn.set_key_padding(pad.data());
@@ -548,8 +572,10 @@ TEST_CASE("relative_attention: the compressed memory's keys kept apart (kv_reuse
     using c16 = mnemo::config<16, 2>;
     constexpr index_t Dm = 16;
     const index_t P = 160, M = 40, C = 75;
+    for (route rt : one_query_routes)
     for (index_t B : {1, 2}) {
-        INFO("batch " << B);
+        const forced_route forced(rt);
+        INFO("batch " << B << ", one-query route: " << route_name(rt));
         mnemo::parameter_set<float> ps[3];
         std::vector<mnemo::relative_attention<float, c16>> attn;
         for (auto& p : ps) attn.emplace_back(p, "a", P);

@@ -526,10 +526,11 @@ public:
         heads_weighted_rows_impl<0>(dk, h0, h1, n, a, lda, y, ldy, o, accumulate);
     }
 
-    /// One key row's scores, every head, with those of a second row: s[h] = Σ_{d<Dk} y[h·Dk + d]·
-    /// r[h·Dk + d] for h < heads when r is not null, and then (from s[heads] on with r, from s[0]
-    /// without) the heads' Σ_d x[h·Dk + d]·k[h·Dk + d]. The pairs go W at a time in that order (r's
-    /// row is read first), each the chain of FMAs and the reduction tree of heads_dot_rows.
+    /// One key row's scores, every head, plus those of a second row: s[h] = Σ_{d<Dk} x[h·Dk + d]·
+    /// k[h·Dk + d] + Σ_d y[h·Dk + d]·r[h·Dk + d] (the second sum when r is not null) for h < heads,
+    /// one chain of FMAs a head (k's vectors, then r's) and heads_dot_rows' reduction tree. s is
+    /// written in whole vectors (heads rounded up to the SIMD width; the lanes past heads hold
+    /// nothing of use): a caller loads it back as vectors, which a CPU forwards from such stores.
     template <index_t Dk, class T>
     static void heads_row_dots(index_t heads, const T* x, const T* k, const T* y, const T* r, T* s) {
         heads_row_dots_impl<Dk>(Dk, heads, x, k, y, r, s);
@@ -554,31 +555,39 @@ public:
 private:
     template <index_t Dk_, class T>
     static void heads_row_dots_impl(index_t dk, index_t heads, const T* x, const T* k, const T* y, const T* r, T* s) {
+        using B = simd::batch<T>;
         constexpr index_t W = simd::width<T>;
-        const index_t Dk = Dk_ > 0 ? Dk_ : dk, V = Dk / W, nr = r ? heads : 0, pairs = heads + nr;
+        const index_t Dk = Dk_ > 0 ? Dk_ : dk, V = Dk / W;
         // With d_k and the heads count compile-time constants (a count that divides W or that W
-        // divides, d_k whole vectors), a group's pointers are too: its sums stay in registers.
+        // divides, d_k whole vectors) the groups' loops unroll and their sums stay in registers.
         if constexpr (Dk_ > 0 && Dk_ % W == 0) {
             if (row_dots_fixed<Dk_, 1, 2, 4, 8, 16, 32>(heads, x, k, y, r, s)) return;
         }
-        // pair p: r's head p for p < nr, then k's head p − nr (both rows' chunks are consecutive)
-        for (index_t p0 = 0; p0 < pairs; p0 += W) {
-            const index_t n = std::min(W, pairs - p0);
-            alignas(64) T sums[W] = {};
-            if (V > 0)
-                group_sums<Dk_>(V, n, [&](index_t i, const T*& xi, const T*& yi) {
-                    const index_t p = p0 + i;
-                    if (p < nr) xi = y + p * Dk, yi = r + p * Dk;
-                    else xi = x + (p - nr) * Dk, yi = k + (p - nr) * Dk;
-                }, sums);
-            for (index_t i = 0; i < n; ++i) s[p0 + i] = sums[i];
+        for (index_t h0 = 0; h0 < heads; h0 += W) {
+            const index_t n = std::min(W, heads - h0);
+            B acc[W];
+            for (index_t i = 0; i < W; ++i) {
+                if (i >= n || V == 0) {
+                    acc[i] = simd::splat(T(0));
+                    continue;
+                }
+                const index_t off = (h0 + i) * Dk;
+                B a = simd::load(x + off) * simd::load(k + off);
+                for (index_t v = 1; v < V; ++v) a = simd::fma(simd::load(x + off + v * W), simd::load(k + off + v * W), a);
+                if (r)
+                    for (index_t v = 0; v < V; ++v) a = simd::fma(simd::load(y + off + v * W), simd::load(r + off + v * W), a);
+                acc[i] = a;
+            }
+            simd::store(s + h0, simd::transpose_add(acc));
         }
         if (V * W == Dk) return;
-        for (index_t p = 0; p < pairs; ++p) {  // the scalar tails (d_k not a whole number of vectors)
-            const T *xi = p < nr ? y + p * Dk : x + (p - nr) * Dk, *yi = p < nr ? r + p * Dk : k + (p - nr) * Dk;
-            T t = s[p];
-            for (index_t d = V * W; d < Dk; ++d) t += xi[d] * yi[d];
-            s[p] = t;
+        for (index_t h = 0; h < heads; ++h) {  // the scalar tails (d_k not a whole number of vectors)
+            const index_t off = h * Dk;
+            T t = s[h];
+            for (index_t d = V * W; d < Dk; ++d) t += x[off + d] * k[off + d];
+            if (r)
+                for (index_t d = V * W; d < Dk; ++d) t += y[off + d] * r[off + d];
+            s[h] = t;
         }
     }
     /// heads_row_dots for the first of Hc, More... that equals heads; false if none does (or it
@@ -599,33 +608,26 @@ private:
     template <index_t Dk_, index_t Hc, bool WithR, class T>
     static void row_dots_groups(const T* x, const T* k, const T* y, const T* r, T* s) {
         using B = simd::batch<T>;
-        constexpr index_t W = simd::width<T>, CV = Dk_ / W, pairs = WithR ? 2 * Hc : Hc;
-        // Pairs [p0, p0 + W) while a whole group remains; a group of fewer than W (pairs < W) last.
-        for (index_t p0 = 0; p0 < pairs; p0 += W) {
-            constexpr index_t n0 = pairs < W ? pairs : W;
+        constexpr index_t W = simd::width<T>, CV = Dk_ / W, n = Hc < W ? Hc : W;
+        for (index_t h0 = 0; h0 < Hc; h0 += W) {
             B acc[W];
 #pragma GCC unroll 32
             for (index_t i = 0; i < W; ++i) {
-                if (i >= n0) {
+                if (i >= n) {
                     acc[i] = simd::splat(T(0));
                     continue;
                 }
-                const index_t p = p0 + i;
-                const bool in_r = WithR && p < Hc;
-                const T* xi = in_r ? y + p * Dk_ : x + (p - (WithR ? Hc : 0)) * Dk_;
-                const T* yi = in_r ? r + p * Dk_ : k + (p - (WithR ? Hc : 0)) * Dk_;
-                B a = simd::load(xi) * simd::load(yi);
+                const index_t off = (h0 + i) * Dk_;
+                B a = simd::load(x + off) * simd::load(k + off);
 #pragma GCC unroll 16
-                for (index_t v = 1; v < CV; ++v) a = simd::fma(simd::load(xi + v * W), simd::load(yi + v * W), a);
+                for (index_t v = 1; v < CV; ++v) a = simd::fma(simd::load(x + off + v * W), simd::load(k + off + v * W), a);
+                if constexpr (WithR) {
+#pragma GCC unroll 16
+                    for (index_t v = 0; v < CV; ++v) a = simd::fma(simd::load(y + off + v * W), simd::load(r + off + v * W), a);
+                }
                 acc[i] = a;
             }
-            if constexpr (pairs >= W) {
-                simd::transpose_add(acc).store_unaligned(s + p0);
-            } else {
-                alignas(64) T sums[W];
-                simd::transpose_add(acc).store_aligned(sums);
-                for (index_t i = 0; i < pairs; ++i) s[i] = sums[i];
-            }
+            simd::store(s + h0, simd::transpose_add(acc));
         }
     }
 

@@ -23,7 +23,19 @@
 
 namespace mnemo::cpu_kernels {
 
+/// The route of a forward of one query position over projected keys: chosen by the size of its rows
+/// (automatic, relative_attention_pass::one_query_streams), or forced, for tests and benchmarks that
+/// run both routes on any shape. Not meant to change while a forward runs.
+enum class one_query_route { automatic, two_pass, online };
+inline one_query_route one_query_override = one_query_route::automatic;
+
 namespace detail {
+
+/// A generated token's attention reads its rows in one pass (one_query_online) from this many bytes
+/// of window and cache rows on. On the 2-core Zen 4 VM, a token alternating the two routes in one
+/// process (medians of 16 rounds): A's rows (205 KiB a layer, from L2) 1.31× the time online, B's
+/// (771 KiB, L3) 0.947×, C's (3 MiB, DRAM) 0.93×.
+inline constexpr index_t one_query_stream_bytes = index_t(512) << 10;
 
 /// From this many queries on, the projected route computes each head's q·R (forward) and d_pos
 /// (backward) in its thread's score block (relative_attention_pass::pos_in_head).
@@ -71,7 +83,7 @@ public:
         const T scale = s.scale;
         // S's window by head, s_h [H, W] (S is [W, H]): a score row reads it along the keys.
         T* s_h = s.col_sums;
-        if (!one_query)
+        if (!one_query || !one_query_streams())
             for (index_t c = 0; c < w; ++c)
                 for (index_t h = 0; h < H; ++h) s_h[h * w + c] = s.s_win[c * H + h];
         const T* kv = s.kv;
@@ -102,7 +114,7 @@ public:
             }
             K::softmax_forward(q_len_, k_len_, a, k_len_, a, k_len_, T(1), mask);
         };
-        // (b, h)'s q·R rows in pos.
+        // (b, h)'s q·R rows in pos (one_query_two_pass's layout too: [B, W] per head).
         auto finish_from_pos = [&](index_t b, index_t h, T* a) { finish_scores(b, h, a, pos + h * qb * w + b * w, ld_pos()); };
         // Query i sees the keys up to M + i: the products skip the segment's future keys. a: the
         // head's [Q, K] block, followed (fused_pos) by room for its q·R rows [Q, W].
@@ -126,7 +138,8 @@ public:
         MNEMO_CHECK(s.kv_split == 0 || one_query, "relative_attention_forward: key rows split at position ", s.kv_split,
                     " are read by the one-query route only (", q_len_, " queries", absorb ? ", absorbed)" : ")");
         if (one_query) {
-            one_query_forward(s.q, s.qu, s.r_win, kv, s.kv_lo, s.kv_split, attn, s.ctx);
+            if (one_query_streams()) one_query_online(s.q, s.qu, s.r_win, kv, s.kv_lo, s.kv_split, attn, s.ctx);
+            else one_query_two_pass(s.q, s.qu, s.r_win, kv, s.kv_lo, s.kv_split, pos, attn, s.ctx, finish_from_pos);
         } else if (!absorb) {
             // Each head in this thread's score block, then its weights copied to s.attn for backward.
             const index_t block = q_len_ * k_len_;
@@ -313,7 +326,17 @@ private:
     /// of scores (one generated token over a short memory stays on the calling thread, where an
     /// OpenMP fork and join would cost more than the loop).
     bool worth_threads() const { return batch_ * H * q_len_ * k_len_ * Dk >= (index_t(1) << 16); }
-    /// One query position (one_query_forward) reads the window's table rows, the keys and the values
+    /// One query position takes one_query_online when its rows (window and [k, v], every batch
+    /// element) fill one_query_stream_bytes or more: read from DRAM, a row wants reading front to
+    /// back once; from the caches the two passes' lighter arithmetic wins (one_query_block).
+    bool one_query_streams() const {
+        switch (one_query_override) {
+            case one_query_route::two_pass: return false;
+            case one_query_route::online: return true;
+            default: return batch_ * (window() + 2 * k_len_) * D * index_t(sizeof(T)) >= one_query_stream_bytes;
+        }
+    }
+    /// One query position (one_query_online, one_query_two_pass) reads the window's table rows, the keys and the values
     /// once each, from DRAM in configurations B and C, where two cores read about 1.5× as fast as one:
     /// worth threads from 64K multiply-adds over all three. (Counting the scores alone put B's token,
     /// K = 254 to 257 as the memory fills and compresses, on one thread in half of its steps; A's
@@ -356,8 +379,9 @@ private:
         return std::max<index_t>(0, k_len_ - q_len_ + i - clamp_len_);
     }
 
-    /// Forward of one query position over projected keys and values (a generated token), every head of
-    /// a batch element in one pass over its rows, by blocks of one_query_block keys: each key j reads
+    /// Forward of one query position over projected keys and values (a generated token) whose rows
+    /// come from DRAM (one_query_streams()), every head of a batch element in one pass over its rows,
+    /// by blocks of one_query_block keys: each key j reads
     /// its window row (q·R at column j + 1, heads_row_dots) and then its [k, v] cache row front to
     /// back, the scores (q+u)·k of every head and at once their share of the context (an online
     /// softmax: the block's running maximum m and sum l per head, the block's partial context rescaled
@@ -370,61 +394,69 @@ private:
     /// zeros, as softmax_forward gives). The blocks do not depend on the thread count, nor then do the
     /// bits. The keys and values of positions [0, split) are read from kv_lo, the rest from kv (both
     /// with position j's rows at j·B·2D).
-    void one_query_forward(const T* q, const T* qu, const T* r_win, const T* kv, const T* kv_lo, index_t split, T* attn,
-                           T* ctx) {
+    void one_query_online(const T* q, const T* qu, const T* r_win, const T* kv, const T* kv_lo, index_t split, T* attn,
+                          T* ctx) {
         const index_t ldkv = batch_ * 2 * D, K = k_len_;
         constexpr index_t block = one_query_block, W = simd::width<T>;
         const index_t key_blocks = (K + block - 1) / block;
-        // Per (b, block): its partial context [D], then m, l and the far keys' positional terms [H each],
-        // room for one row's scores (2H: keys' and window's), c and e (H each, padded to whole vectors
-        // for the exponential).
-        const index_t hp = (H + W - 1) / W * W, item = (D + 5 * H + 2 * hp + W - 1) / W * W;
+        // Per (b, block): its partial context [D], then (hp: H padded to whole vectors) m, l, one row's
+        // c, e, scaled scores and dot products, the far keys' positional term (q·R + S at the clamped
+        // column), and the block's rows of S [block, H] (and hp lanes of padding: a row's S is read
+        // a whole vector at a time). Every vector the online step loads was stored whole, or well
+        // before (a load over several narrower stores still in flight waits for them).
+        const index_t hp = (H + W - 1) / W * W, item = (D + 7 * hp + block * H + hp + W - 1) / W * W;
         T* parts = score_block(batch_ * key_blocks * item);  // the calling thread's, shared
         const index_t j0 = clamped(0), far_col = clamp_len_ > 0 ? K - clamp_len_ : 0;
         const T scale = s.scale, ninf = -std::numeric_limits<T>::infinity();
         const std::uint8_t* keep = s.keep;
         const auto rows = [&](index_t i0, index_t i1) {
+            using B = simd::batch<T>;
+            const B vscale = simd::splat(scale), one = simd::splat(T(1));
             for (index_t i = i0; i < i1; ++i) {
                 const index_t b = i / key_blocks, r0 = i % key_blocks * block, r1 = std::min(r0 + block, K);
-                T *o = parts + i * item, *m = o + D, *l = m + H, *far = l + H, *sc = far + H, *c = sc + 2 * H, *e = c + hp;
+                T *o = parts + i * item, *m = o + D, *l = m + hp, *c = l + hp, *e = c + hp, *t = e + hp, *sc = t + hp;
+                T *far = sc + hp, *s_blk = far + hp;
                 std::fill(o, o + D, T(0));
-                std::fill(m, m + H, ninf);
-                std::fill(l, l + H, T(0));
-                std::fill(c, c + hp, T(0));  // the lanes past H too (exp_in_place reads them)
+                std::fill(m, m + hp, ninf);
+                std::fill(l, s_blk + block * H + hp, T(0));  // the lanes past H stay finite
+                // S of the rows' window columns j + 1 (a whole block of them: one copy, long before
+                // the loads of each row's vector)
+                std::copy(s.s_win + (r0 + 1) * H, s.s_win + (r1 + 1) * H, s_blk);
                 const std::uint8_t* kb = keep && s.keep_any[b] ? keep + b * K : nullptr;
                 const T *qb = q + b * D, *qub = qu + b * D;
-                T* tb = attn + b * H * K;  // the scaled scores t [H, K], by head
+                T* tb = attn + b * H * K;  // the scaled scores [H, K], by head
                 const T* none = nullptr;
                 // Keys farther than clamp_len (j < j0) all take the window column K − clamp_len.
-                const T* far_s = s.s_win + far_col * H;
-                if (r0 < j0) heads::row_dots(index_t(Dk), H, qb, r_win + far_col * D, none, none, far);
+                if (r0 < j0) {
+                    heads::row_dots(index_t(Dk), H, qb, r_win + far_col * D, none, none, far);
+                    for (index_t h = 0; h < H; ++h) far[h] += s.s_win[far_col * H + h];
+                }
                 for (index_t j = r0; j < r1; ++j) {
                     if (kb && !kb[j]) {
                         for (index_t h = 0; h < H; ++h) tb[h * K + j] = ninf;
                         continue;
                     }
                     const T* kr = (j < split ? kv_lo : kv) + j * ldkv + b * 2 * D;
-                    if (j >= j0) {
-                        heads::row_dots(index_t(Dk), H, qub, kr, qb, r_win + (j + 1) * D, sc);
-                        const T* sw = s.s_win + (j + 1) * H;
-                        for (index_t h = 0; h < H; ++h) sc[h] = scale * (sc[H + h] + sc[h] + sw[h]);  // (k + R) + S
-                    } else {
-                        heads::row_dots(index_t(Dk), H, qub, kr, none, none, sc);
-                        for (index_t h = 0; h < H; ++h) sc[h] = scale * (sc[h] + far[h] + far_s[h]);
+                    const bool near = j >= j0;
+                    // (q+u)·k + q·R by head, the window row read first (near keys)
+                    if (near) heads::row_dots(index_t(Dk), H, qub, kr, qb, r_win + (j + 1) * D, sc);
+                    else heads::row_dots(index_t(Dk), H, qub, kr, none, none, sc);
+                    const T* added = near ? s_blk + (j - r0) * H : far;  // S, or the far term
+                    // Online step, W heads at a time: t = scale·(scores + added); with t > m, c =
+                    // exp(m − t), e = 1 and m = t; otherwise c = 1, e = exp(t − m); l = l·c + e.
+                    for (index_t h = 0; h < hp; h += W) {
+                        const B tv = vscale * (simd::load(sc + h) + simd::load(added + h));
+                        const B mv = simd::load(m + h);
+                        const auto up = tv > mv;
+                        const B x = exp_batch(xsimd::select(up, mv - tv, tv - mv));
+                        const B cv = xsimd::select(up, x, one), ev = xsimd::select(up, one, x);
+                        simd::store(m + h, xsimd::select(up, tv, mv));
+                        simd::store(l + h, simd::fma(simd::load(l + h), cv, ev));
+                        simd::store(c + h, cv);
+                        simd::store(e + h, ev);
+                        simd::store(t + h, tv);
                     }
-                    // Online step: with t > m, c = exp(m − t) and e = 1, m = t; otherwise c = 1, e = exp(t − m).
-                    for (index_t h = 0; h < H; ++h) {
-                        const T t = sc[h];
-                        tb[h * K + j] = t;
-                        c[h] = t > m[h] ? m[h] - t : t - m[h];
-                    }
-                    exp_in_place(c, hp);
-                    for (index_t h = 0; h < H; ++h) {
-                        const T t = sc[h];
-                        if (t > m[h]) e[h] = T(1), m[h] = t;
-                        else e[h] = c[h], c[h] = T(1);
-                        l[h] = l[h] * c[h] + e[h];
-                    }
+                    for (index_t h = 0; h < H; ++h) tb[h * K + j] = t[h];
                     heads::rescale_add(index_t(Dk), H, c, e, kr + D, o);
                 }
             }
@@ -434,7 +466,7 @@ private:
                 const index_t b = i / H, h = i % H, off = h * Dk;
                 const T* pb = parts + b * key_blocks * item;
                 T big = ninf;
-                for (index_t k = 0; k < key_blocks; ++k) big = std::max(big, pb[k * item + D + h]);
+                for (index_t k = 0; k < key_blocks; ++k) big = std::max(big, pb[k * item + D + h]);  // m
                 T* cx = ctx + b * D + off;
                 T* ab = attn + (b * H + h) * K;
                 if (big == ninf) {  // no visible key
@@ -445,7 +477,7 @@ private:
                 T sum = T(0);
                 for (index_t k = 0; k < key_blocks; ++k) {
                     const T* pk = pb + k * item;
-                    if (pk[D + h] != ninf) sum += std::exp(pk[D + h] - big) * pk[D + H + h];
+                    if (pk[D + h] != ninf) sum += std::exp(pk[D + h] - big) * pk[D + hp + h];  // l
                 }
                 const T inv = T(1) / sum;
                 std::fill(cx, cx + Dk, T(0));
@@ -464,6 +496,80 @@ private:
         };
         parallel_phases(one_query_worth_threads(), batch_ * key_blocks, rows, batch_ * H, combine);
     }
+    /// Forward of one query position over projected keys and values whose rows are few enough to come
+    /// from the caches (one_query_online otherwise), every head of a batch element in one pass over
+    /// its rows (heads_dot_rows, heads_weighted_rows), in four phases of one region: q·R over the window's table rows and (q+u)·k over the keys, by blocks of
+    /// one_query_block rows; finish_scores(b, h, a) (positional terms, softmax) by (b, h); each block
+    /// of keys' share of the context, every head, into its own partial row; the partial rows summed in
+    /// the blocks' order by (b, h). Every phase reads whole rows: a context split by heads reads each
+    /// value row's part for a thread's heads, d_k·heads/threads floats out of every 2·D (1 KiB of
+    /// each 4 KiB of configuration C's cache), which the prefetchers follow poorly (see
+    /// one_query_block). The blocks do not depend on the thread count, nor then do the bits.
+    /// The keys and values of positions [0, split) are read from kv_lo, the rest from kv (both with
+    /// position j's rows at j·B·2D): a block across the split reads its rows in two calls, which
+    /// give the bits of one (dot_rows' rows are apart; weighted_rows continues its sums in order).
+    template <class Finish>
+    void one_query_two_pass(const T* q, const T* qu, const T* r_win, const T* kv, const T* kv_lo, index_t split, T* pos,
+                           T* attn, T* ctx, Finish& finish_scores) {
+        const index_t w = window(), ldkv = batch_ * 2 * D;
+        constexpr index_t block = one_query_block;
+        const index_t blocks = (w + block - 1) / block;  // w = K + 1 covers the keys' rows too
+        const index_t key_blocks = (k_len_ + block - 1) / block;
+        T* parts = score_block(batch_ * key_blocks * D);  // [B, key_blocks, D], the calling thread's, shared
+        const auto scores = [&](index_t i0, index_t i1) {
+            for (index_t i = i0; i < i1; ++i) {
+                const index_t b = i / blocks, r0 = i % blocks * block;
+                // pos[h] [B, W]: row b of head h at h·B·W + b·W; attn [B, H, K]
+                heads::dot_rows(index_t(Dk), H, r0, std::min(r0 + block, w), q + b * D, r_win, D, pos + b * w, batch_ * w);
+                const index_t r1 = std::min(r0 + block, k_len_), mid = std::clamp(split, r0, r1);
+                if (mid > r0)
+                    heads::dot_rows(index_t(Dk), H, r0, mid, qu + b * D, kv_lo + b * 2 * D, ldkv, attn + b * H * k_len_, k_len_);
+                if (r1 > mid)
+                    heads::dot_rows(index_t(Dk), H, mid, r1, qu + b * D, kv + b * 2 * D, ldkv, attn + b * H * k_len_, k_len_);
+            }
+        };
+        const auto finish = [&](index_t i0, index_t i1) {
+            for (index_t i = i0; i < i1; ++i) finish_scores(i / H, i % H, attn + i * k_len_);
+        };
+        const auto mix = [&](index_t i0, index_t i1) {  // parts[b, blk] = Σ_{rows of blk} a·v, every head
+            for (index_t i = i0; i < i1; ++i) {
+                const index_t b = i / key_blocks, r0 = i % key_blocks * block, r1 = std::min(r0 + block, k_len_);
+                const index_t mid = std::clamp(split, r0, r1);
+                const T* a = attn + b * H * k_len_;
+                if (mid > r0)
+                    heads::weighted_rows(index_t(Dk), 0, H, mid - r0, a + r0, k_len_, kv_lo + r0 * ldkv + b * 2 * D + D, ldkv,
+                                         parts + i * D);
+                if (r1 > mid)
+                    heads::weighted_rows(index_t(Dk), 0, H, r1 - mid, a + mid, k_len_, kv + mid * ldkv + b * 2 * D + D, ldkv,
+                                         parts + i * D, mid > r0);
+            }
+        };
+        const auto combine = [&](index_t i0, index_t i1) {  // ctx[b, head h] = Σ_blk parts[b, blk, head h]
+            for (index_t i = i0; i < i1; ++i) {
+                const index_t b = i / H, off = i % H * Dk;
+                const T* p = parts + b * key_blocks * D + off;
+                T* c = ctx + b * D + off;
+                std::copy(p, p + Dk, c);
+                for (index_t k = 1; k < key_blocks; ++k)
+#pragma omp simd
+                    for (index_t d = 0; d < index_t(Dk); ++d) c[d] += p[k * D + d];
+            }
+        };
+        parallel_phases(one_query_worth_threads(), batch_ * blocks, scores, batch_ * H, finish, batch_ * key_blocks, mix,
+                        batch_ * H, combine);
+    }
+    /// exp of every lane (xsimd's for float; std::exp lane by lane for double, whose xsimd exponential
+    /// g++ 12 warns inside when inlined).
+    static simd::batch<T> exp_batch(const simd::batch<T>& x) {
+        if constexpr (std::is_same_v<T, float>) {
+            return xsimd::exp(x);
+        } else {
+            alignas(64) T lanes[simd::width<T>];
+            x.store_aligned(lanes);
+            for (T& v : lanes) v = std::exp(v);
+            return simd::batch<T>::load_aligned(lanes);
+        }
+    }
     /// x[i] = exp(x[i]) for i < n (xsimd's exponential over whole vectors for float, then a padded one).
     static void exp_in_place(T* x, index_t n) {
         if constexpr (std::is_same_v<T, float>) {
@@ -481,18 +587,17 @@ private:
             for (index_t k = 0; k < n; ++k) x[k] = std::exp(x[k]);
         }
     }
-    /// Keys a block of one_query_forward covers: the unit of its thread split and of its partial
-    /// contexts. Reading the rows: on the 2-core Zen 4 VM (AVX-512), a scratch program reading
-    /// configuration C's window and [k, v] rows of 6 layers cold (a 12 MiB read between layers, 2
-    /// threads, medians of 300 rounds, three runs each, alternated): every row's keys' half and then
-    /// every row's values' half (the order of the two-pass kernel this one replaced) 0.84-1.13 ms;
-    /// whole rows, the window row before each cache row, 0.40-0.51 ms; the halves of 2 rows at a
-    /// time (k, k, v, v) 0.83-0.88 ms — the prefetchers want each page front to back. The kernels
-    /// (6 layers of C cold, 8 alternated runs): 0.53-0.83 → 0.33-0.45 ms, 0.54-0.71 of the time; C's
-    /// cached token in the model 0.89-0.97 of its time in fast minutes, 0.99-1.03 in slow ones (B's,
-    /// from L3: medians 1.01-1.03, no order round by round). Software prefetch of the rows 1, 2 or 4
-    /// keys ahead was slower (0.72-0.98 ms against 0.44-0.73). Earlier, on the
-    /// 2-core Zen 3 VM (AVX2), blocks of 64 keys against a split by heads: 25.1 against 21.9 GB/s.
+    /// Keys a block of one_query_online or one_query_two_pass covers: the unit of their thread split
+    /// and of their partial contexts. Reading the rows from DRAM, on the 2-core Zen 4 VM (AVX-512; a
+    /// scratch program reading configuration C's window and [k, v] rows of 6 layers cold, a 12 MiB
+    /// read between layers, 2 threads, medians of 300 rounds, three runs each, alternated): every
+    /// row's keys' half and then every row's values' half (the two passes' order) 0.84-1.13 ms;
+    /// whole rows, the window row before each cache row (the online pass's) 0.40-0.51 ms; the halves
+    /// of 2 rows at a time (k, k, v, v) 0.83-0.88 ms: the prefetchers want each page front to back.
+    /// The two kernels on 6 layers of C cold, 8 alternated runs: 0.53-0.83 → 0.33-0.45 ms online.
+    /// Software prefetch of the rows 1, 2 or 4 keys ahead was slower (0.72-0.98 ms against
+    /// 0.44-0.73). On the 2-core Zen 3 VM (AVX2), the two passes by blocks of 64 keys against a
+    /// split by heads: 25.1 against 21.9 GB/s.
     static constexpr index_t one_query_block = 64;
 
     // Absorbed memory (z: the memory's rows): see nn/relative_attention.hpp. Locals qt, ut, uh, dut,
