@@ -336,11 +336,11 @@ private:
             default: return batch_ * (window() + 2 * k_len_) * D * index_t(sizeof(T)) >= one_query_stream_bytes;
         }
     }
-    /// One query position (one_query_online, one_query_two_pass) reads the window's table rows, the keys and the values
-    /// once each, from DRAM in configurations B and C, where two cores read about 1.5× as fast as one:
-    /// worth threads from 64K multiply-adds over all three. (Counting the scores alone put B's token,
-    /// K = 254 to 257 as the memory fills and compresses, on one thread in half of its steps; A's
-    /// token, 53K multiply-adds from L3, stays on one.)
+    /// One query position (one_query_online, one_query_two_pass) reads the window's table rows, the
+    /// keys and the values once each, from DRAM in configurations B and C, where two cores read about
+    /// 1.5× as fast as one: worth threads from 64K multiply-adds over all three. (Counting the scores
+    /// alone put B's token, K = 254 to 257 as the memory fills and compresses, on one thread in half of
+    /// its steps; A's token, 53K multiply-adds from L3, stays on one.)
     bool one_query_worth_threads() const {
         return batch_ * H * (window() + 2 * k_len_) * Dk >= (index_t(1) << 16);
     }
@@ -379,21 +379,20 @@ private:
         return std::max<index_t>(0, k_len_ - q_len_ + i - clamp_len_);
     }
 
-    /// Forward of one query position over projected keys and values (a generated token) whose rows
-    /// come from DRAM (one_query_streams()), every head of a batch element in one pass over its rows,
-    /// by blocks of one_query_block keys: each key j reads
-    /// its window row (q·R at column j + 1, heads_row_dots) and then its [k, v] cache row front to
-    /// back, the scores (q+u)·k of every head and at once their share of the context (an online
-    /// softmax: the block's running maximum m and sum l per head, the block's partial context rescaled
-    /// by exp(m_old − m_new) whenever m rises, heads_rescale_add). Then by (b, h) the blocks' partial
-    /// rows are summed in order, each scaled by exp(m_blk − M)/L (M: the largest of the blocks' m, L:
-    /// Σ exp(m_blk − M)·l_blk), and the weights for s.attn (backward, attention_weights()) are
-    /// exp(t_j − M)/L from the scaled scores t_j the first pass left there. Reading half of each 4 KiB
-    /// row in one pass and the other half in a second made the prefetchers start over twice a row:
-    /// see one_query_block. Masked keys (s.keep) are skipped (weight 0; a row with none visible gets
-    /// zeros, as softmax_forward gives). The blocks do not depend on the thread count, nor then do the
-    /// bits. The keys and values of positions [0, split) are read from kv_lo, the rest from kv (both
-    /// with position j's rows at j·B·2D).
+    /// Forward of one query position over projected keys and values (a generated token) whose rows come
+    /// from DRAM (one_query_streams()), every head of a batch element in one pass over its rows, by
+    /// blocks of one_query_block keys: each key j reads its window row (q·R at column j + 1,
+    /// heads_row_dots) and then its [k, v] cache row front to back, the scores (q+u)·k of every head
+    /// and at once their share of the context (an online softmax: the block's running maximum m and sum
+    /// l per head, the block's partial context rescaled by exp(m_old − m_new) whenever m rises,
+    /// heads_rescale_add). Then by (b, h) the blocks' partial rows are summed in order, each scaled by
+    /// exp(m_blk − M)/L (M: the largest of the blocks' m, L: Σ exp(m_blk − M)·l_blk), and the weights
+    /// for s.attn (backward, attention_weights()) are exp(t_j − M)/L from the scaled scores t_j the
+    /// first pass left there. Reading half of each 4 KiB row in one pass and the other half in a second
+    /// made the prefetchers start over twice a row: see one_query_block. Masked keys (s.keep) are
+    /// skipped (weight 0; a row with none visible gets zeros, as softmax_forward gives). The blocks do
+    /// not depend on the thread count, nor then do the bits. The keys and values of positions [0,
+    /// split) are read from kv_lo, the rest from kv (both with position j's rows at j·B·2D).
     void one_query_online(const T* q, const T* qu, const T* r_win, const T* kv, const T* kv_lo, index_t split, T* attn,
                           T* ctx) {
         const index_t ldkv = batch_ * 2 * D, K = k_len_;
@@ -497,17 +496,18 @@ private:
         parallel_phases(one_query_worth_threads(), batch_ * key_blocks, rows, batch_ * H, combine);
     }
     /// Forward of one query position over projected keys and values whose rows are few enough to come
-    /// from the caches (one_query_online otherwise), every head of a batch element in one pass over
-    /// its rows (heads_dot_rows, heads_weighted_rows), in four phases of one region: q·R over the window's table rows and (q+u)·k over the keys, by blocks of
-    /// one_query_block rows; finish_scores(b, h, a) (positional terms, softmax) by (b, h); each block
-    /// of keys' share of the context, every head, into its own partial row; the partial rows summed in
-    /// the blocks' order by (b, h). Every phase reads whole rows: a context split by heads reads each
-    /// value row's part for a thread's heads, d_k·heads/threads floats out of every 2·D (1 KiB of
-    /// each 4 KiB of configuration C's cache), which the prefetchers follow poorly (see
-    /// one_query_block). The blocks do not depend on the thread count, nor then do the bits.
-    /// The keys and values of positions [0, split) are read from kv_lo, the rest from kv (both with
-    /// position j's rows at j·B·2D): a block across the split reads its rows in two calls, which
-    /// give the bits of one (dot_rows' rows are apart; weighted_rows continues its sums in order).
+    /// from the caches (one_query_online otherwise), every head of a batch element in one pass over its
+    /// rows (heads_dot_rows, heads_weighted_rows), in four phases of one region: q·R over the window's
+    /// table rows and (q+u)·k over the keys, by blocks of one_query_block rows; finish_scores(b, h, a)
+    /// (positional terms, softmax) by (b, h); each block of keys' share of the context, every head,
+    /// into its own partial row; the partial rows summed in the blocks' order by (b, h). Every phase
+    /// reads whole rows: a context split by heads reads each value row's part for a thread's heads,
+    /// d_k·heads/threads floats out of every 2·D (1 KiB of each 4 KiB of configuration C's cache),
+    /// which the prefetchers follow poorly (see one_query_block). The blocks do not depend on the
+    /// thread count, nor then do the bits. The keys and values of positions [0, split) are read from
+    /// kv_lo, the rest from kv (both with position j's rows at j·B·2D): a block across the split reads
+    /// its rows in two calls, which give the bits of one (dot_rows' rows are apart; weighted_rows
+    /// continues its sums in order).
     template <class Finish>
     void one_query_two_pass(const T* q, const T* qu, const T* r_win, const T* kv, const T* kv_lo, index_t split, T* pos,
                            T* attn, T* ctx, Finish& finish_scores) {
@@ -570,21 +570,17 @@ private:
             return simd::batch<T>::load_aligned(lanes);
         }
     }
-    /// x[i] = exp(x[i]) for i < n (xsimd's exponential over whole vectors for float, then a padded one).
+    /// x[i] = exp(x[i]) for i < n: exp_batch over whole vectors, then over a padded one.
     static void exp_in_place(T* x, index_t n) {
-        if constexpr (std::is_same_v<T, float>) {
-            using B = simd::batch<T>;
-            constexpr index_t W = simd::width<T>;
-            index_t k = 0;
-            for (; k + W <= n; k += W) simd::store(x + k, xsimd::exp(simd::load(x + k)));
-            if (k < n) {
-                alignas(64) T tail[W];
-                for (index_t t = 0; t < W; ++t) tail[t] = k + t < n ? x[k + t] : T(0);
-                xsimd::exp(B::load_aligned(tail)).store_aligned(tail);
-                for (index_t t = 0; k + t < n; ++t) x[k + t] = tail[t];
-            }
-        } else {
-            for (index_t k = 0; k < n; ++k) x[k] = std::exp(x[k]);
+        using B = simd::batch<T>;
+        constexpr index_t W = simd::width<T>;
+        index_t k = 0;
+        for (; k + W <= n; k += W) simd::store(x + k, exp_batch(simd::load(x + k)));
+        if (k < n) {
+            alignas(64) T tail[W];
+            for (index_t t = 0; t < W; ++t) tail[t] = k + t < n ? x[k + t] : T(0);
+            exp_batch(B::load_aligned(tail)).store_aligned(tail);
+            for (index_t t = 0; k + t < n; ++t) x[k + t] = tail[t];
         }
     }
     /// Keys a block of one_query_online or one_query_two_pass covers: the unit of their thread split
