@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include <mnemo/core/buffer.hpp>
@@ -161,16 +162,31 @@ TEST_CASE("gemm: row_dots gives a row the same bits wherever its group of the SI
 }
 
 TEST_CASE("gemm: one- and two-row products (GEMVs) are bitwise the same on 1, 2 and 3 threads") {
-    // Large matrix-vector products split their outputs over the threads (gemv_parallel_min), at
-    // multiples of gemv_split outputs: every output must come out with the same bits.
+    // Large matrix-vector products split their outputs over the threads (gemv_splitting), the
+    // row-major form at multiples of row_split outputs, the column-major one at multiples of
+    // gemv_split: every output must come out with the same bits. Each splitting of gemv_tuning runs
+    // on any machine (gemv_splitting_override), each with shapes it splits; the finer one also takes
+    // products of fewer than 256 outputs (and a last chunk that is not whole: 100 = 3·32 + 4).
     struct shape {
         index_t m, n, k;
     };
+    struct run {
+        const mnemo::cpu_kernels::gemv_splitting* split;
+        std::vector<shape> shapes;
+    };
+    using tuning = mnemo::cpu_kernels::gemv_tuning;
+    const std::vector<shape> large = {{1, 256, 256}, {1, 512, 256}, {1, 1024, 256}, {2, 2048, 512},
+                                      {1, 1000, 700}, {1, 4100, 64}, {2, 300, 1024}, {1, 129, 2048}};
+    std::vector<shape> fine = large;
+    for (const shape& sh : {shape{1, 128, 256}, shape{2, 96, 512}, shape{1, 100, 400}, shape{1, 64, 1024}}) fine.push_back(sh);
     const int saved = omp_get_max_threads();
-    for (const shape& sh : {shape{1, 256, 256}, shape{1, 512, 256}, shape{1, 1024, 256}, shape{2, 2048, 512},
-                            shape{1, 1000, 700}, shape{1, 4100, 64}, shape{2, 300, 1024}, shape{1, 129, 2048}}) {
+    for (const run& r : {run{&tuning::defaults, large}, run{&tuning::xeon_gnr, fine}})
+    for (const shape& sh : r.shapes) {
         const index_t m = sh.m, n = sh.n, k = sh.k;  // not a structured binding: CAPTURE's lambda (clang 14)
-        REQUIRE(n * k >= K::gemv_parallel_min);
+        const std::string split_name = r.split->name;
+        CAPTURE(split_name);
+        REQUIRE(n * k >= r.split->parallel_min);
+        mnemo::cpu_kernels::gemv_splitting_override = r.split;
         // Operands at odd offsets, with row strides wider than the rows.
         const index_t lda = k + 3, ldb_nt = k + 5, ldb_nn = n + 7, ldc = n + 1;
         auto a = mnemo::testing::random_vector<float>(m * lda + 1, 11);
@@ -189,6 +205,7 @@ TEST_CASE("gemm: one- and two-row products (GEMVs) are bitwise the same on 1, 2 
             }
         }
         omp_set_num_threads(saved);
+        mnemo::cpu_kernels::gemv_splitting_override = nullptr;
         for (int f = 0; f < 3; ++f) {
             CAPTURE(f);
             CAPTURE(m);

@@ -96,11 +96,47 @@
 
 #include "../../core/shape.hpp"
 #include "causal_keys.hpp"
+#include "cpu_model.hpp"
 #include "elementwise.hpp"
 #include "gemm_direct.hpp"
 #include "parallel.hpp"
 
 namespace mnemo::cpu_kernels {
+
+/// How the one- and two-row products split their outputs over the threads (gemm::gemv_threads): a
+/// product of at least `parallel_min` elements (n·k) splits, the row-major form (row_dots) at
+/// multiples of `row_split` outputs. (Eigen's column-major form, Wᵀ·x, always splits at multiples
+/// of gemm::gemv_split.) Every output is computed the same way wherever a split puts it: the bits do
+/// not depend on the thread count or on this tuning.
+struct gemv_splitting {
+    const char* name;
+    index_t parallel_min;
+    index_t row_split;
+};
+
+/// gemv_splitting by CPU model (cpu_model.hpp).
+struct gemv_tuning {
+    // One generated token of configurations B and C reads every weight once (B: 19 MB, C: 75 MB),
+    // from DRAM, where two cores read about 1.5× as fast as one: from 64K elements on, B's 256×256
+    // attention projections included (on two threads they made B's token 3-10% faster on a Zen 1 VM
+    // with an 8 MiB L3). A's products (16K-32K elements, 64-128 KiB, from L3) stay on one thread:
+    // there the fork cost what the second core saved (Zen 5; on the Zen 2/3 VMs 2^14 to 10^8
+    // elements were within the noise of 2^16 or slower).
+    static constexpr gemv_splitting defaults{"default", index_t(1) << 16, 128};
+    // Granite Rapids (2 MiB L2 a core, a mesh L3 that one core reads at about 22 GB/s): A's token
+    // reads its 4.9 MB from L3 as slowly on one thread as on two (0.221 against 0.237 ms), and from
+    // 32K elements split at multiples of 32 rows (A's feed-forward and key/value products, the
+    // 128-output ones included) it took 0.80-0.81 of the time; 16K / 64 rows 0.81-0.82, 16K / 128
+    // rows 0.84-0.87, 32K / 128 rows 0.85-0.88, 4K / 16-32 rows 0.81-0.86; B's token 0.99-1.01 with
+    // each (a 2-core VM, CPUID model A7h with AMX, 2026-12-07; one process alternating the settings
+    // token block by token block, medians of 12 rounds, two runs).
+    static constexpr gemv_splitting xeon_gnr{"xeon-gnr", index_t(1) << 15, 32};
+    static constexpr gemv_splitting for_model(cpu_model m) { return m == cpu_model::xeon_gnr ? xeon_gnr : defaults; }
+};
+
+/// A gemv_splitting to use instead of this CPU's (tests and benchmarks that run every split on any
+/// machine); null: this CPU's. Not meant to change while a product runs.
+inline const gemv_splitting* gemv_splitting_override = nullptr;
 
 struct gemm {
     /// Multiply-adds below which a GEMM stays on one thread.
@@ -303,32 +339,34 @@ struct gemm {
         }
     }
 
-    /// Matrix-vector products of at least gemv_parallel_min elements split their outputs over the
-    /// threads: one generated token of configurations B and C reads every weight once (B: 19 MB, C:
-    /// 75 MB per token), from DRAM, where two cores read about 1.5× as fast as one. That includes B's
-    /// 256×256 attention projections (64K elements; on two threads they made B's token 3-10% faster
-    /// on a Zen 1 VM with an 8 MiB L3). A's products (16K-32K elements, 64-128 KiB, from L3) stay on
-    /// one thread: there the fork cost what the second core saved.
-    static constexpr index_t gemv_parallel_min = index_t(1) << 16;
-    /// Split points are multiples of 128 outputs: Eigen's column-major GEMV (the Transposed form)
+    /// This machine's gemv_splitting (gemv_tuning, by CPUID, chosen once per process), or
+    /// gemv_splitting_override's.
+    static const gemv_splitting& gemv_split_here() {
+        static const gemv_splitting mine = gemv_tuning::for_model(this_cpu_model());
+        return gemv_splitting_override ? *gemv_splitting_override : mine;
+    }
+    /// The Transposed form's split points are multiples of 128 outputs: Eigen's column-major GEMV
     /// takes the outputs in blocks of at most 128 (8 packets of 16) and computes each output the same
-    /// way in every block type, so each block of a split meets the blocks the whole product would;
-    /// row_dots computes every output on its own. The bits do not depend on the thread count (tested).
+    /// way in every block type, so each block of a split meets the blocks the whole product would.
+    /// row_dots (the row-major form) computes every output on its own, at any split
+    /// (gemv_splitting::row_split). The bits do not depend on the thread count (tested).
     static constexpr index_t gemv_split = 128;
 
-    /// gemv over the threads (see gemv_parallel_min); on the calling thread below it or inside a
-    /// parallel region.
+    /// gemv over the threads from gemv_split_here().parallel_min elements on; on the calling thread
+    /// below it or inside a parallel region.
     template <bool Transposed, class T>
     static void gemv_threads(index_t n, index_t k, const T* b, index_t ldb, const T* x, index_t incx, T* c, T beta,
                              T alpha) {
-        const index_t chunks = n / gemv_split;
-        const int threads = (n * k >= gemv_parallel_min && chunks >= 2) ? int(std::min<index_t>(available_threads(), chunks)) : 1;
+        const gemv_splitting& sp = gemv_split_here();
+        const index_t split = !Transposed && incx == 1 ? sp.row_split : gemv_split;  // the row_dots form: any
+        const index_t chunks = n / split;
+        const int threads = (n * k >= sp.parallel_min && chunks >= 2) ? int(std::min<index_t>(available_threads(), chunks)) : 1;
         if (threads <= 1) {
             gemv<Transposed>(n, k, b, ldb, x, incx, c, beta, alpha);
             return;
         }
         parallel_team(threads, [&](index_t t, index_t nt) {
-            const index_t r0 = chunks * t / nt * gemv_split, r1 = t + 1 == nt ? n : chunks * (t + 1) / nt * gemv_split;
+            const index_t r0 = chunks * t / nt * split, r1 = t + 1 == nt ? n : chunks * (t + 1) / nt * split;
             // Output rows [r0, r1): rows of B (B [n, k]) or its columns (Transposed: B [k, n]).
             if (r0 < r1) gemv<Transposed>(r1 - r0, k, Transposed ? b + r0 : b + r0 * ldb, ldb, x, incx, c + r0, beta, alpha);
         });
