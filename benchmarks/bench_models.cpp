@@ -185,6 +185,8 @@ void BM_generate(benchmark::State& state, shape s, bool cached = true) {
     state.counters["ms/token"] = benchmark::Counter(1e-3, benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
     const bool absorbed = model.layer(0).self_attn().last_forward_absorbed();
     add_roofline_frac(state, generation_bytes(model, s, cached), generation_flops<Cfg>(s, cached, absorbed));
+    // How this CPU splits the token's weight products over the threads (gemv_tuning, by CPU model).
+    state.SetLabel(std::string("gemv split: ") + mnemo::cpu_kernels::gemm::gemv_split_here().name);
 }
 
 // Scaling: the training step and per-token generation of configuration B's model (d_model 256, 8
