@@ -1,6 +1,7 @@
 #pragma once
 // Which x86 microarchitecture this process runs on, read once from CPUID (vendor, family, model), for
-// the kernels whose blocking was measured per microarchitecture (gemm_packed.hpp's tuning traits).
+// the kernels whose blocking was measured per microarchitecture (gemm_packed.hpp's packed_tuning,
+// gemm.hpp's gemv_tuning).
 // Only what was measured is told apart: AMD's Zen generations by family and model, Intel's
 // Sapphire Rapids / Emerald Rapids Xeons (Golden Cove and Raptor Cove cores: 48 KiB L1d, 2 MiB L2 a
 // core) and Granite Rapids Xeons (Redwood Cove: the same L1d and L2). Hypervisors do not always pass

@@ -358,7 +358,8 @@ struct gemm {
     static void gemv_threads(index_t n, index_t k, const T* b, index_t ldb, const T* x, index_t incx, T* c, T beta,
                              T alpha) {
         const gemv_splitting& sp = gemv_split_here();
-        const index_t split = !Transposed && incx == 1 ? sp.row_split : gemv_split;  // the row_dots form: any
+        // row_dots (the row-major form with a contiguous x) may split anywhere; Eigen's GEMV at its blocks.
+        const index_t split = !Transposed && incx == 1 ? sp.row_split : gemv_split;
         const index_t chunks = n / split;
         const int threads = (n * k >= sp.parallel_min && chunks >= 2) ? int(std::min<index_t>(available_threads(), chunks)) : 1;
         if (threads <= 1) {

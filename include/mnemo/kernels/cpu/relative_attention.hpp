@@ -34,7 +34,9 @@ namespace detail {
 /// A generated token's attention reads its rows in one pass (one_query_online) from this many bytes
 /// of window and cache rows on. On the 2-core Zen 4 VM, a token alternating the two routes in one
 /// process (medians of 16 rounds): A's rows (205 KiB a layer, from L2) 1.31× the time online, B's
-/// (771 KiB, L3) 0.947×, C's (3 MiB, DRAM) 0.93×.
+/// (771 KiB, L3) 0.947×, C's (3 MiB, DRAM) 0.93×. On a 2-core Granite Rapids VM (2 MiB L2, B's and
+/// C's rows from its 480 MiB L3), the same way (2026-12-07, two runs): A 0.99-1.01×, B 0.96-0.97×,
+/// C 0.98×: the same choice, so one constant for both.
 inline constexpr index_t one_query_stream_bytes = index_t(512) << 10;
 
 /// From this many queries on, the projected route computes each head's q·R (forward) and d_pos
