@@ -172,17 +172,19 @@ TEST_CASE("gemm: one- and two-row products (GEMVs) are bitwise the same on 1, 2 
     };
     struct run {
         const mnemo::cpu_kernels::gemv_splitting* split;
-        std::vector<shape> shapes;
+        shape sh;
     };
     using tuning = mnemo::cpu_kernels::gemv_tuning;
-    const std::vector<shape> large = {{1, 256, 256}, {1, 512, 256}, {1, 1024, 256}, {2, 2048, 512},
-                                      {1, 1000, 700}, {1, 4100, 64}, {2, 300, 1024}, {1, 129, 2048}};
-    std::vector<shape> fine = large;
-    for (const shape& sh : {shape{1, 128, 256}, shape{2, 96, 512}, shape{1, 100, 400}, shape{1, 64, 1024}}) fine.push_back(sh);
+    const shape large[] = {{1, 256, 256}, {1, 512, 256}, {1, 1024, 256}, {2, 2048, 512},
+                           {1, 1000, 700}, {1, 4100, 64}, {2, 300, 1024}, {1, 129, 2048}};
+    std::vector<run> runs;
+    for (const shape& sh : large) runs.push_back({&tuning::defaults, sh});
+    for (const shape& sh : large) runs.push_back({&tuning::xeon_gnr, sh});
+    for (const shape& sh : {shape{1, 128, 256}, shape{2, 96, 512}, shape{1, 100, 400}, shape{1, 64, 1024}})
+        runs.push_back({&tuning::xeon_gnr, sh});
     const int saved = omp_get_max_threads();
-    for (const run& r : {run{&tuning::defaults, large}, run{&tuning::xeon_gnr, fine}})
-    for (const shape& sh : r.shapes) {
-        const index_t m = sh.m, n = sh.n, k = sh.k;  // not a structured binding: CAPTURE's lambda (clang 14)
+    for (const run& r : runs) {
+        const index_t m = r.sh.m, n = r.sh.n, k = r.sh.k;  // not a structured binding: CAPTURE's lambda (clang 14)
         const std::string split_name = r.split->name;
         CAPTURE(split_name);
         REQUIRE(n * k >= r.split->parallel_min);

@@ -119,9 +119,10 @@ struct gemv_tuning {
     // One generated token of configurations B and C reads every weight once (B: 19 MB, C: 75 MB),
     // from DRAM, where two cores read about 1.5× as fast as one: from 64K elements on, B's 256×256
     // attention projections included (on two threads they made B's token 3-10% faster on a Zen 1 VM
-    // with an 8 MiB L3). A's products (16K-32K elements, 64-128 KiB, from L3) stay on one thread:
-    // there the fork cost what the second core saved (Zen 5; on the Zen 2/3 VMs 2^14 to 10^8
-    // elements were within the noise of 2^16 or slower).
+    // with an 8 MiB L3, 2026-11-25). A's products (16K-32K elements, 64-128 KiB, from L3) stay on
+    // one thread: there the fork cost what the second core saved (on a Zen 3 VM, 2026-11-29, 2^14 to
+    // 10^8 elements were within the noise of 2^16 or slower; on an Emerald Rapids VM, 2026-11-28,
+    // 2^13 at multiples of 128 took A's token from 0.205-0.214 to 0.185-0.207 ms, and was left).
     static constexpr gemv_splitting defaults{"default", index_t(1) << 16, 128};
     // Granite Rapids (2 MiB L2 a core, a mesh L3 that one core reads at about 22 GB/s): A's token
     // reads its 4.9 MB from L3 as slowly on one thread as on two (0.221 against 0.237 ms), and from
